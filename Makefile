@@ -1,0 +1,39 @@
+# The two commands of the README:
+#   make book   set up .venv, build the HTML book with every chapter executed
+#   make test   set up .venv (and Chromium, where it can), run the whole test suite
+# Neither needs a GPU: without one, kernels run in Triton's interpreter on the CPU.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+STAMP   = $(VENV)/.installed
+
+.PHONY: book test setup browser clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -e .
+	touch $@
+
+book: $(STAMP)
+	$(PY) tools/sync_setup_cells.py --check
+	$(VENV)/bin/jupyter-book build . -W -n --keep-going --builder html
+	@echo "Book built: file://$(CURDIR)/_build/html/index.html"
+
+# Debian's Chromium for the browser tests (Playwright's own browser download is not used).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "Installing Chromium (Debian package) for the browser tests"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else echo "Chromium not found and cannot be installed here: browser tests will be skipped"; fi; }
+
+test: $(STAMP) browser
+	$(PY) -m pytest
+
+clean:
+	rm -rf _build

@@ -1,0 +1,204 @@
+r"""The book's formulas in plain float64 PyTorch: the oracle for every test and chapter.
+
+Each function reads like the equation it implements and does nothing clever: it upcasts its
+inputs to float64, computes the formula along the last dimension, and returns float64.
+Kernels are checked against these functions, never the other way round.
+
+Notation (as in the book): a row :math:`x \in \mathbb{R}^n`, weight :math:`\gamma`, bias
+:math:`\beta`, and
+
+.. math::
+    \mu = \tfrac1n \textstyle\sum_i x_i, \quad
+    \sigma^2 = \tfrac1n \textstyle\sum_i (x_i-\mu)^2, \quad
+    \mathrm{RMS}(x) = \sqrt{\tfrac1n \textstyle\sum_i x_i^2}.
+"""
+
+import torch
+
+f64 = torch.float64
+
+
+def _d(t):
+    return None if t is None else torch.as_tensor(t).to(f64)
+
+
+# ---------------------------------------------------------------- statistics of a row
+
+def mean(x):
+    r"""μ = (1/n) Σ x_i."""
+    return _d(x).mean(dim=-1, keepdim=True)
+
+
+def mean_square(x):
+    r"""s = (1/n) Σ x_i²."""
+    return (_d(x) ** 2).mean(dim=-1, keepdim=True)
+
+
+def rms(x, eps=0.0):
+    r"""r = sqrt((1/n) Σ x_i² + ε)."""
+    return torch.sqrt(mean_square(x) + eps)
+
+
+def variance(x):
+    r"""Population variance by its definition, two passes: σ² = (1/n) Σ (x_i − μ)²."""
+    x = _d(x)
+    return ((x - mean(x)) ** 2).mean(dim=-1, keepdim=True)
+
+
+def variance_one_pass(x):
+    r"""The textbook identity σ² = E[x²] − E[x]²: one pass, and numerically fragile."""
+    return mean_square(x) - mean(x) ** 2
+
+
+def welford(x):
+    r"""Welford's online update over a 1-D sequence; returns (count, mean, M2), σ² = M2 / count.
+
+    n ← n + 1;  δ = x − μ;  μ ← μ + δ/n;  M2 ← M2 + δ (x − μ).
+    """
+    n, mu, m2 = 0, 0.0, 0.0
+    for v in _d(x).reshape(-1).tolist():
+        n += 1
+        delta = v - mu
+        mu += delta / n
+        m2 += delta * (v - mu)
+    return n, mu, m2
+
+
+def chan_merge(a, b):
+    r"""Chan et al.'s merge of two (count, mean, M2) summaries into the summary of their union.
+
+    n = n_a + n_b;  δ = μ_b − μ_a;  μ = μ_a + δ n_b / n;  M2 = M2_a + M2_b + δ² n_a n_b / n.
+    """
+    na, mua, m2a = a
+    nb, mub, m2b = b
+    n = na + nb
+    if n == 0:
+        return 0, 0.0, 0.0
+    delta = mub - mua
+    return n, mua + delta * nb / n, m2a + m2b + delta * delta * na * nb / n
+
+
+# ---------------------------------------------------------------- the normalizations
+
+def rms_norm(x, weight=None, eps=1e-6):
+    r"""y_i = γ_i x_i / sqrt((1/n) Σ_k x_k² + ε)."""
+    x = _d(x)
+    y = x / rms(x, eps)
+    return y if weight is None else y * _d(weight)
+
+
+def layer_norm(x, weight=None, bias=None, eps=1e-5):
+    r"""y_i = γ_i (x_i − μ) / sqrt(σ² + ε) + β_i."""
+    x = _d(x)
+    y = (x - mean(x)) / torch.sqrt(variance(x) + eps)
+    if weight is not None:
+        y = y * _d(weight)
+    if bias is not None:
+        y = y + _d(bias)
+    return y
+
+
+def fused_add_rms_norm(x, residual, weight=None, eps=1e-6):
+    r"""h = x + residual;  y = rms_norm(h).  Returns (y, h)."""
+    h = _d(x) + _d(residual)
+    return rms_norm(h, weight, eps), h
+
+
+def softmax(z):
+    r"""p_i = exp(z_i − max z) / Σ_k exp(z_k − max z)."""
+    z = _d(z)
+    e = torch.exp(z - z.max(dim=-1, keepdim=True).values)
+    return e / e.sum(dim=-1, keepdim=True)
+
+
+# ---------------------------------------------------------------- Jacobians and their products (one row)
+
+def rms_norm_jacobian(x, weight=None, eps=1e-6):
+    r"""J_ij = ∂y_i/∂x_j = γ_i (δ_ij / r − x_i x_j / (n r³)) for a single row x of length n."""
+    x = _d(x)
+    n = x.shape[-1]
+    r = rms(x, eps)[..., 0]
+    g = torch.ones_like(x) if weight is None else _d(weight)
+    return g[:, None] * (torch.eye(n, dtype=f64) / r - torch.outer(x, x) / (n * r**3))
+
+
+def rms_norm_vjp(x, dy, weight=None, eps=1e-6):
+    r"""Row-wise vector-Jacobian product of RMSNorm, in O(n) per row.
+
+    dx = (γ ⊙ dy)/r − x · Σ_k x_k γ_k dy_k / (n r³);   dγ = Σ_rows dy ⊙ x / r.
+    Returns (dx, dweight) with dweight None when weight is None.
+    """
+    x, dy = _d(x), _d(dy)
+    n = x.shape[-1]
+    r = rms(x, eps)
+    g = torch.ones(n, dtype=f64) if weight is None else _d(weight)
+    gdy = g * dy
+    dx = gdy / r - x * (x * gdy).sum(dim=-1, keepdim=True) / (n * r**3)
+    dw = None if weight is None else (dy * x / r).reshape(-1, n).sum(dim=0)
+    return dx, dw
+
+
+def layer_norm_jacobian(x, weight=None, eps=1e-5):
+    r"""J = diag(γ) · (I − 11ᵀ/n − x̂ x̂ᵀ/n) / sqrt(σ² + ε), x̂ = (x − μ)/sqrt(σ² + ε); one row."""
+    x = _d(x)
+    n = x.shape[-1]
+    s = torch.sqrt(variance(x) + eps)[..., 0]
+    xhat = (x - mean(x)) / s
+    g = torch.ones_like(x) if weight is None else _d(weight)
+    inner = torch.eye(n, dtype=f64) - torch.ones(n, n, dtype=f64) / n - torch.outer(xhat, xhat) / n
+    return g[:, None] * inner / s
+
+
+def layer_norm_vjp(x, dy, weight=None, eps=1e-5):
+    r"""Row-wise VJP of LayerNorm: with x̂ = (x − μ)/s, s = sqrt(σ² + ε), g = γ ⊙ dy,
+
+    dx = (g − mean(g) − x̂ · mean(g ⊙ x̂)) / s;   dγ = Σ_rows dy ⊙ x̂;   dβ = Σ_rows dy.
+    Returns (dx, dweight, dbias); dweight is None when weight is None.
+    """
+    x, dy = _d(x), _d(dy)
+    n = x.shape[-1]
+    s = torch.sqrt(variance(x) + eps)
+    xhat = (x - mean(x)) / s
+    g = dy if weight is None else _d(weight) * dy
+    dx = (g - g.mean(dim=-1, keepdim=True) - xhat * (g * xhat).mean(dim=-1, keepdim=True)) / s
+    dw = None if weight is None else (dy * xhat).reshape(-1, n).sum(dim=0)
+    db = dy.reshape(-1, n).sum(dim=0)
+    return dx, dw, db
+
+
+def softmax_jacobian(z):
+    r"""J = diag(p) − p pᵀ for a single row z."""
+    p = softmax(z)
+    return torch.diag(p) - torch.outer(p, p)
+
+
+# ---------------------------------------------------------------- RoPE and Qwen3's QK-Norm
+
+def rope_cos_sin(positions, head_dim, base=10000.0):
+    r"""cos and sin of θ_{m,i} = m · base^(−2i/d), i < d/2, each repeated so that dimension i and
+    i + d/2 share an angle (the ``rotate_half`` layout). Shapes: positions (..., ) → (..., d)."""
+    pos = _d(positions)
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=f64) / head_dim)
+    angles = pos[..., None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    return torch.cos(angles), torch.sin(angles)
+
+
+def rotate_half(x):
+    r"""(x_1, x_2) ↦ (−x_2, x_1) on the two halves of the last dimension."""
+    x = _d(x)
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x, cos, sin):
+    r"""RoPE: x ⊙ cos + rotate_half(x) ⊙ sin, for x (batch, seq, heads, d), cos/sin (batch, seq, d)."""
+    x = _d(x)
+    cos, sin = _d(cos)[..., None, :], _d(sin)[..., None, :]
+    return x * cos + rotate_half(x) * sin
+
+
+def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=1e-6):
+    r"""Qwen3's attention input path: per-head RMSNorm over head_dim, then RoPE. Returns (q, k)."""
+    return (apply_rope(rms_norm(q, q_weight, eps), cos, sin),
+            apply_rope(rms_norm(k, k_weight, eps), cos, sin))

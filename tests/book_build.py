@@ -1,0 +1,107 @@
+"""Execute every chapter once per test session, then build the HTML from the executed copies.
+
+The chapters run in place (working directory ``book/``, as in ``make book``); the executed
+notebooks are written to ``_build/test-book/`` together with the book's configuration, with
+execution switched off there, and Jupyter Book renders them. Chapter tests read the execution
+results; browser tests read the HTML. So each chapter runs once in the whole suite.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import nbformat
+import yaml
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+OUT = ROOT / "_build" / "test-book"
+
+
+def toc_files() -> list[str]:
+    """Book-relative paths (no suffix) of every page in _toc.yml, in order."""
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    files = [toc["root"]]
+    for entry in toc.get("chapters", []):
+        files.append(entry["file"])
+    return files
+
+
+def chapter_notebooks() -> list[pathlib.Path]:
+    return [ROOT / f"{f}.ipynb" for f in toc_files() if (ROOT / f"{f}.ipynb").exists()]
+
+
+@dataclass
+class Execution:
+    path: pathlib.Path
+    seconds: float = 0.0
+    error: str | None = None
+    stderr_cells: list[int] = field(default_factory=list)
+
+
+def _cell_label(nb, index: int) -> str:
+    src = "".join(nb.cells[index].source).strip().splitlines()
+    first = src[0] if src else ""
+    return f"cell {index} (`{first[:80]}`)"
+
+
+def execute(path: pathlib.Path) -> Execution:
+    nb = nbformat.read(path, as_version=4)
+    result = Execution(path)
+    start = time.time()
+    client = NotebookClient(nb, timeout=900, kernel_name="python3", allow_errors=False,
+                            resources={"metadata": {"path": str(path.parent)}})
+    try:
+        client.execute()
+    except CellExecutionError as exc:
+        failing = next((i for i, c in enumerate(nb.cells) if c.cell_type == "code"
+                        and any(o.get("output_type") == "error" for o in c.get("outputs", []))), None)
+        where = _cell_label(nb, failing) if failing is not None else "a cell"
+        result.error = f"chapter {path.relative_to(ROOT)}, {where} failed:\n{exc}"
+    except Exception as exc:  # kernel died, timeout
+        result.error = f"chapter {path.relative_to(ROOT)} could not be executed: {type(exc).__name__}: {exc}"
+    result.seconds = time.time() - start
+    for i, c in enumerate(nb.cells):
+        if c.cell_type == "code" and any(o.get("name") == "stderr" for o in c.get("outputs", [])):
+            result.stderr_cells.append(i)
+    dest = OUT / path.relative_to(ROOT)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, dest)
+    return result
+
+
+def execute_all(workers: int | None = None) -> dict[str, Execution]:
+    if OUT.exists():
+        shutil.rmtree(OUT)
+    OUT.mkdir(parents=True)
+    notebooks = chapter_notebooks()
+    workers = workers or min(2, os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        results = list(pool.map(execute, notebooks))
+    return {r.path.stem: r for r in results}
+
+
+def build_html() -> tuple[int, str, pathlib.Path]:
+    """Render the executed copies with Jupyter Book (execution off). Returns (code, log, html dir)."""
+    for name in ("_toc.yml", "references.bib"):
+        shutil.copy(ROOT / name, OUT / name)
+    for f in toc_files():  # pages that are not notebooks (Markdown) are copied as they are
+        src = ROOT / f"{f}.md"
+        if src.exists():
+            (OUT / src.relative_to(ROOT)).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(src, OUT / src.relative_to(ROOT))
+    cfg = yaml.safe_load((ROOT / "_config.yml").read_text())
+    cfg["execute"]["execute_notebooks"] = "off"
+    (OUT / "_config.yml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    jb = pathlib.Path(sys.executable).parent / "jupyter-book"
+    proc = subprocess.run([str(jb), "build", str(OUT), "-W", "-n", "--keep-going", "--builder", "html"],
+                          capture_output=True, text=True)
+    return proc.returncode, proc.stdout + proc.stderr, OUT / "_build" / "html"

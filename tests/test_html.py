@@ -1,0 +1,116 @@
+"""The built book, checked in a real headless browser (Debian's Chromium driven by Playwright).
+
+Every page loads from a local server with all other network access blocked (so MathJax must be
+bundled), math renders without MathJax errors, figures load, no cell shows a traceback or an error,
+and each chapter's Colab link points at that chapter's notebook in the configured repository.
+"""
+
+import functools
+import http.server
+import os
+import pathlib
+import shutil
+import threading
+
+import pytest
+import yaml
+
+from book_build import ROOT, toc_files
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+PAGES = [f for f in toc_files()]
+NOTEBOOK_PAGES = [f for f in PAGES if (ROOT / f"{f}.ipynb").exists()]
+
+if CHROMIUM is None and os.environ.get("REQUIRE_BROWSER"):
+    raise RuntimeError("REQUIRE_BROWSER is set but Chromium is not installed (apt-get install chromium)")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Chromium not installed (apt-get install chromium)")
+
+
+@pytest.fixture(scope="module")
+def server(built_html):
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(built_html))
+    handler.log_message = lambda *a, **k: None
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        yield b
+        b.close()
+
+
+def open_page(browser, server, page_path):
+    """Load a page with every non-local request blocked; returns (page, js_errors, blocked)."""
+    context = browser.new_context()
+    page = context.new_page()
+    errors, blocked = [], []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+
+    def route(r):
+        if r.request.url.startswith(server):
+            return r.continue_()
+        blocked.append(r.request.url)
+        return r.abort()
+
+    page.route("**/*", route)
+    response = page.goto(f"{server}/{page_path}.html", wait_until="load")
+    assert response is not None and response.ok, f"{page_path}: HTTP {response and response.status}"
+    return page, errors, blocked
+
+
+@pytest.mark.parametrize("page_path", PAGES)
+def test_page_loads_and_math_renders(browser, server, page_path):
+    page, errors, blocked = open_page(browser, server, page_path)
+    try:
+        assert page.title().strip(), f"{page_path}: empty title"
+        has_math = page.locator("div.math, span.math").count() > 0
+        if has_math:
+            page.wait_for_function("() => document.querySelectorAll('mjx-container').length > 0", timeout=30000)
+            assert page.locator("mjx-merror").count() == 0, f"{page_path}: MathJax reported an error"
+            assert "Math input error" not in page.inner_text("main")
+        assert not errors, f"{page_path}: JavaScript errors: {errors}"
+        local_scripts = [u for u in blocked if "mathjax" in u.lower()]
+        assert not local_scripts, f"{page_path}: MathJax was requested from the network: {local_scripts}"
+    finally:
+        page.context.close()
+
+
+@pytest.mark.parametrize("page_path", NOTEBOOK_PAGES)
+def test_chapter_outputs_are_clean_and_figures_load(browser, server, page_path):
+    page, errors, _ = open_page(browser, server, page_path)
+    try:
+        main = page.inner_text("main")
+        assert "Traceback (most recent call last)" not in main, f"{page_path}: a traceback is shown"
+        assert page.locator(".output.error, .output.traceback, .output.stderr").count() == 0, \
+            f"{page_path}: an error or stderr output is shown"
+        images = page.locator("main img")
+        assert images.count() > 0, f"{page_path}: the chapter has no figure"
+        broken = page.evaluate("() => [...document.querySelectorAll('main img')]"
+                               ".filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src)")
+        assert not broken, f"{page_path}: figures that did not load: {broken}"
+    finally:
+        page.context.close()
+
+
+@pytest.mark.parametrize("page_path", NOTEBOOK_PAGES)
+def test_colab_link_points_at_the_chapter_notebook(browser, server, page_path):
+    cfg = yaml.safe_load((ROOT / "_config.yml").read_text())
+    repo = cfg["repository"]["url"].rstrip("/").removeprefix("https://github.com/")
+    page, _, _ = open_page(browser, server, page_path)
+    try:
+        hrefs = page.eval_on_selector_all("a[href*='colab.research.google.com']", "els => els.map(e => e.href)")
+        expected = f"https://colab.research.google.com/github/{repo}/blob/{cfg['repository']['branch']}/{page_path}.ipynb"
+        assert expected in hrefs, f"{page_path}: Colab links {hrefs}, expected {expected}"
+        assert (ROOT / f"{page_path}.ipynb").exists()
+    finally:
+        page.context.close()

@@ -1,0 +1,14 @@
+"""Strip outputs and execution counts from the chapter notebooks (they are stored clean)."""
+
+import json
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+for path in sorted((ROOT / "book").glob("*.ipynb")):
+    nb = json.loads(path.read_text())
+    for c in nb["cells"]:
+        if c["cell_type"] == "code":
+            c["outputs"], c["execution_count"] = [], None
+        c.get("metadata", {}).pop("execution", None)
+    path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
