@@ -93,6 +93,7 @@ def build_html() -> tuple[int, str, pathlib.Path]:
     """Render the executed copies with Jupyter Book (execution off). Returns (code, log, html dir)."""
     for name in ("_toc.yml", "references.bib"):
         shutil.copy(ROOT / name, OUT / name)
+    shutil.copytree(ROOT / "_ext", OUT / "_ext", dirs_exist_ok=True)
     for f in toc_files():  # pages that are not notebooks (Markdown) are copied as they are
         src = ROOT / f"{f}.md"
         if src.exists():

@@ -48,8 +48,8 @@ def sync(path: pathlib.Path, check: bool) -> bool:
         return True
     if check:
         return False
-    cell = {"cell_type": "code", "execution_count": None, "metadata": {"tags": TAGS}, "outputs": [],
-            "source": want.splitlines(keepends=True)}
+    cell = {"cell_type": "code", "execution_count": None, "id": "setup", "metadata": {"tags": TAGS},
+            "outputs": [], "source": want.splitlines(keepends=True)}
     if i is None:
         first_md = next((j for j, c in enumerate(nb["cells"]) if c["cell_type"] == "markdown"), -1)
         nb["cells"].insert(first_md + 1, cell)
