@@ -24,3 +24,20 @@ def round_to(x, dtype: tl.constexpr):
         return tl.where(x != x, x, rounded).to(dtype)  # NaN stays NaN
     else:
         return x.to(dtype)
+
+
+@triton.jit
+def chan_combine(mean_a, m2_a, n_a, mean_b, m2_b, n_b):
+    """Merge two (mean, M2, count) summaries of disjoint parts of a row (Chan, Golub & LeVeque).
+
+    delta = mean_b - mean_a;  n = n_a + n_b;  mean = mean_a + delta * n_b / n;
+    M2 = M2_a + M2_b + delta**2 * n_a * n_b / n.  The variance of the union is M2 / n.
+    Usable as the combine function of ``tl.reduce`` (it is associative up to rounding), and safe
+    when both counts are zero (masked lanes).
+    """
+    n = n_a + n_b
+    delta = mean_b - mean_a
+    frac_b = tl.where(n > 0, n_b / tl.maximum(n, 1.0), 0.0)
+    mean = mean_a + delta * frac_b
+    m2 = m2_a + m2_b + delta * delta * n_a * frac_b
+    return mean, m2, n

@@ -79,10 +79,20 @@ def execute(path: pathlib.Path) -> Execution:
 
 
 def execute_all(workers: int | None = None) -> dict[str, Execution]:
+    """Execute every chapter (or only those named in $CHAPTERS, comma-separated, while writing one:
+    the others are copied unexecuted so that the HTML still builds)."""
     if OUT.exists():
         shutil.rmtree(OUT)
     OUT.mkdir(parents=True)
     notebooks = chapter_notebooks()
+    only = [c for c in os.environ.get("CHAPTERS", "").split(",") if c]
+    if only:
+        for p in notebooks:
+            if p.stem not in only:
+                dest = OUT / p.relative_to(ROOT)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(p, dest)
+        notebooks = [p for p in notebooks if p.stem in only]
     workers = workers or min(2, os.cpu_count() or 1)
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         results = list(pool.map(execute, notebooks))

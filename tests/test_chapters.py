@@ -14,6 +14,8 @@ CHAPTERS = [p.stem for p in chapter_notebooks()]
 
 @pytest.mark.parametrize("name", CHAPTERS)
 def test_chapter_executes_without_error(executed_book, name):
+    if name not in executed_book:
+        pytest.skip("not selected in $CHAPTERS")
     result = executed_book[name]
     assert result.error is None, result.error
 
@@ -21,6 +23,8 @@ def test_chapter_executes_without_error(executed_book, name):
 @pytest.mark.parametrize("name", CHAPTERS)
 def test_chapter_writes_nothing_to_stderr(executed_book, name):
     """Warnings printed by a chapter would show up in the book as red boxes."""
+    if name not in executed_book:
+        pytest.skip("not selected in $CHAPTERS")
     assert executed_book[name].stderr_cells == [], f"{name}: cells {executed_book[name].stderr_cells} wrote to stderr"
 
 
