@@ -15,13 +15,17 @@ from ._runtime import DEVICE, INTERPRET, default_dtype, device_name
 def setup(seed: int = 0):
     """Seed every generator and return ``(device, dtype)`` for this chapter, printing one line
     that says where the kernels run."""
+    import warnings
+
     import numpy as np
 
+    # transformers imports tqdm, which warns (on stderr) that Jupyter widgets are missing: harmless here.
+    warnings.filterwarnings("ignore", message="IProgress not found")
     torch.manual_seed(seed)
     np.random.seed(seed)
     dtype = default_dtype()
-    where = "Triton interpreter on the CPU" if INTERPRET else "GPU"
-    print(f"Kernels run on: {device_name()} ({where}); low-precision dtype: {str(dtype).replace('torch.', '')}")
+    where = "the CPU, in Triton's interpreter" if INTERPRET else f"{device_name()} (CUDA)"
+    print(f"Kernels run on {where}; low-precision dtype: {str(dtype).replace('torch.', '')}")
     return DEVICE, dtype
 
 
@@ -29,11 +33,20 @@ def show_source(obj) -> None:
     """Display an object's source, read from ``kernels/`` at run time, never pasted."""
     from IPython.display import Markdown, display
 
+    while hasattr(obj, "fn") and not inspect.isfunction(obj):  # a @triton.jit kernel wraps its function
+        obj = obj.fn
     display(Markdown("```python\n" + inspect.getsource(obj).rstrip() + "\n```"))
 
 
-def glue(name: str, value, display: bool = True):
-    """``myst_nb.glue`` when building the book; plain display elsewhere (e.g. in Colab)."""
+def glue(name: str, value, display: bool = True) -> None:
+    """``myst_nb.glue`` when building the book; plain display elsewhere (e.g. in Colab).
+
+    numpy and torch scalars are stored as Python numbers, so that ``{glue:text}`key:.4f``` formats them.
+    """
+    import numpy as np
+
+    if isinstance(value, np.generic) or (isinstance(value, torch.Tensor) and value.numel() == 1):
+        value = value.item()
     try:
         from myst_nb import glue as _glue
     except ImportError:  # pragma: no cover - outside the book build
@@ -41,6 +54,5 @@ def glue(name: str, value, display: bool = True):
             from IPython.display import display as _display
 
             _display(value)
-        return value
+        return
     _glue(name, value, display=display)
-    return value

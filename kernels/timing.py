@@ -18,9 +18,9 @@ import torch
 from ._runtime import DEVICE, device_name
 
 CPU_NOTE = (
-    "No GPU here: the kernels ran in Triton's CPU interpreter, which executes one program at a "
-    "time in Python. Its timings say nothing about GPU speed, so none are shown. Run this chapter "
-    "on a GPU (for example in Colab) to see live figures."
+    "No GPU here: the kernels ran in Triton's CPU interpreter, which executes one program\n"
+    "at a time in Python. Its timings say nothing about GPU speed, so none are shown.\n"
+    "Run this chapter on a GPU (for example in Colab) to see live figures."
 )
 
 

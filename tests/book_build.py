@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
 import pathlib
 import shutil
 import subprocess
@@ -65,7 +66,8 @@ def execute(path: pathlib.Path) -> Execution:
         failing = next((i for i, c in enumerate(nb.cells) if c.cell_type == "code"
                         and any(o.get("output_type") == "error" for o in c.get("outputs", []))), None)
         where = _cell_label(nb, failing) if failing is not None else "a cell"
-        result.error = f"chapter {path.relative_to(ROOT)}, {where} failed:\n{exc}"
+        plain = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))  # drop the traceback's terminal colours
+        result.error = f"chapter {path.relative_to(ROOT)}, {where} failed:\n{plain}"
     except Exception as exc:  # kernel died, timeout
         result.error = f"chapter {path.relative_to(ROOT)} could not be executed: {type(exc).__name__}: {exc}"
     result.seconds = time.time() - start
