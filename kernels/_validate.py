@@ -68,3 +68,14 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
         return x.view(-1, x.shape[-1])
     except RuntimeError:
         return x.reshape(-1, x.shape[-1])
+
+
+def check_like(t: torch.Tensor, name: str, like: torch.Tensor, like_name: str = "x") -> None:
+    """A second input that must match ``like`` exactly: same shape, dtype and device (e.g. a residual)."""
+    check_input(t, name)
+    if t.shape != like.shape:
+        raise ValueError(f"{name} must have the same shape as {like_name}, {tuple(like.shape)}, got {tuple(t.shape)}")
+    if t.dtype != like.dtype:
+        raise TypeError(f"{name} must have the same dtype as {like_name}, {like.dtype}, got {t.dtype}")
+    if t.device != like.device:
+        raise ValueError(f"{name} is on {t.device} but {like_name} is on {like.device}; put them on one device")
