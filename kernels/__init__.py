@@ -8,6 +8,7 @@ Every kernel is checked against the float64 formulas in :mod:`kernels.reference`
 
 from ._runtime import DEVICE, HAS_CUDA, INTERPRET, default_dtype, device_name  # noqa: F401  (first: sets the interpreter)
 from .rms_norm import rms_norm  # noqa: F401
+from .qk_norm_rope import qk_norm_rope  # noqa: F401
 from .fused_add_rms_norm import fused_add_rms_norm  # noqa: F401
 
-__all__ = ["DEVICE", "HAS_CUDA", "INTERPRET", "default_dtype", "device_name", "rms_norm", "fused_add_rms_norm"]
+__all__ = ["DEVICE", "HAS_CUDA", "INTERPRET", "default_dtype", "device_name", "rms_norm", "fused_add_rms_norm", "qk_norm_rope"]
