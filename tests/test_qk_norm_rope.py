@@ -59,14 +59,14 @@ def hf_attention(head_dim, n_heads, n_kv_heads, dtype, seed=0, gamma_spread=0.3)
     with torch.no_grad():
         attn.q_norm.weight.copy_(1 + gamma_spread * torch.randn(head_dim))
         attn.k_norm.weight.copy_(1 + gamma_spread * torch.randn(head_dim))
-    return attn.to(dtype).requires_grad_(False), mq.Qwen3RotaryEmbedding(cfg)
+    return attn.to(DEVICE, dtype).requires_grad_(False), mq.Qwen3RotaryEmbedding(cfg).to(DEVICE)
 
 
 def run_hf(attn, rotary, batch, seq, dtype, first_position=0, scale=1.0):
     """Run the real module; return its q_proj/k_proj outputs as (batch, seq, heads, head_dim), cos,
     sin, and the q, k after QK-Norm and RoPE, transposed back to (batch, seq, heads, head_dim)."""
-    hidden = (scale * torch.randn(batch, seq, 64)).to(dtype)
-    positions = (torch.arange(seq) + first_position)[None].expand(batch, seq)
+    hidden = randn(batch, seq, 64, dtype=dtype, scale=scale)
+    positions = (torch.arange(seq, device=DEVICE) + first_position)[None].expand(batch, seq)
     cos, sin = rotary(hidden, positions)
     proj = {}
     hooks = [attn.q_proj.register_forward_hook(lambda m, i, o: proj.__setitem__("q", o)),
@@ -80,8 +80,14 @@ def run_hf(attn, rotary, batch, seq, dtype, first_position=0, scale=1.0):
     return q, k, cos, sin, _CAPTURED["q"].transpose(1, 2), _CAPTURED["k"].transpose(1, 2)
 
 
+def cos_sin(positions, head_dim, dtype=torch.float32):
+    """The float64 formula's cos/sin for these positions, rounded to ``dtype`` (as a rotary embedding returns them)."""
+    return tuple(t.to(DEVICE, dtype) for t in ref.rope_cos_sin(positions, head_dim))
+
+
 def rope_terms(x, weight, cos, sin):
     """float64 |a*| + |b*| and |out*| of the reference, elementwise (see the module docstring)."""
+    x, weight, cos, sin = (None if t is None else t.detach().cpu() for t in (x, weight, cos, sin))
     y = ref.rms_norm(x, weight, EPS)
     a = y * cos.double()[:, :, None, :]
     b = ref.rotate_half(y) * sin.double()[:, :, None, :]
@@ -91,7 +97,7 @@ def rope_terms(x, weight, cos, sin):
 def assert_close_to_float64(out, x, weight, cos, sin, dtype, what):
     u = UNIT_ROUNDOFF[dtype]
     terms, mag = rope_terms(x, weight, cos, sin)
-    expected = ref.apply_rope(ref.rms_norm(x, weight, EPS), cos, sin)
+    expected = ref.apply_rope(ref.rms_norm(x, weight, EPS), cos, sin).cpu()
     bound = (3 * u + (1e-5 if dtype != torch.float64 else 1e-12)) * terms + u * mag + 1e-30
     if dtype == torch.float16:
         bound = bound + 2.0**-24 * 4  # subnormal results: absolute, half a spacing per rounding
@@ -107,6 +113,7 @@ def hf_mismatch(out, expected, x, weight, cos, sin, dtype):
     terms, mag = rope_terms(x, weight, cos, sin)
     rel = 4 * u + (1e-5 if dtype == torch.float32 else 0.0)
     bound = rel * terms + 2 * u * mag + (2.0**-22 if dtype == torch.float16 else 1e-30)
+    out, expected = out.cpu(), expected.cpu()
     err = (out.double() - expected.double()).abs()
     return (out != expected).double().mean().item(), bool((err > bound).any())
 
@@ -151,7 +158,8 @@ def test_every_bug_in_the_zoo_is_detected(dtype, bug):
     seq = 7
     q, k, cos, sin, _, _ = run_hf(attn, rotary, 1, seq, dtype)
     token_scale = (10.0 ** torch.linspace(-4, 2, seq))[None, :, None, None]
-    head_scale = torch.tensor([0.1, 1.0, 3.0, 10.0])[None, None, :, None]
+    token_scale = token_scale.to(DEVICE)
+    head_scale = torch.tensor([0.1, 1.0, 3.0, 10.0], device=DEVICE)[None, None, :, None]
     q = (q.float() / q.float().pow(2).mean(-1, keepdim=True).sqrt() * token_scale * head_scale).to(dtype)
     k = (k.float() / k.float().pow(2).mean(-1, keepdim=True).sqrt() * token_scale).to(dtype)
     qw, kw = attn.q_norm.weight, attn.k_norm.weight
@@ -180,7 +188,7 @@ def test_matches_float64_formula(dtype, head_dim, poison_empty):
     q = randn(2, 5, 3, head_dim, dtype=dtype, scale=3.0)
     k = randn(2, 5, 1, head_dim, dtype=dtype)
     qw, kw = randn(head_dim, dtype=dtype), randn(head_dim, dtype=dtype)
-    cos, sin = (t.to(dtype) for t in ref.rope_cos_sin(torch.arange(10).view(2, 5) * 37, head_dim))
+    cos, sin = cos_sin(torch.arange(10).view(2, 5) * 37, head_dim, dtype)
     q_out, k_out = qk_norm_rope(q, k, qw, kw, cos, sin, eps=EPS)
     assert_close_to_float64(q_out, q, qw, cos, sin, dtype, "q")
     assert_close_to_float64(k_out, k, kw, cos, sin, dtype, "k")
@@ -189,7 +197,7 @@ def test_matches_float64_formula(dtype, head_dim, poison_empty):
 def test_float64_is_accumulated_in_float64():
     q, k = randn(1, 4, 2, 64, dtype=torch.float64), randn(1, 4, 2, 64, dtype=torch.float64)
     w = randn(64, dtype=torch.float64)
-    cos, sin = ref.rope_cos_sin(torch.arange(4)[None], 64)
+    cos, sin = cos_sin(torch.arange(4)[None], 64, torch.float64)
     got = qk_norm_rope(q, k, w, w, cos, sin)
     expected = ref.qk_norm_rope(q, k, w, w, cos, sin)
     for g, e in zip(got, expected):
@@ -220,7 +228,7 @@ def test_views_of_a_fused_qkv_projection_are_read_in_place(monkeypatch):
     k = qkv[..., Hq * D: (Hq + Hk) * D].view(B, S, Hk, D)
     assert not q.is_contiguous() and not k.is_contiguous()
     w = randn(D, dtype=torch.bfloat16)
-    cos, sin = (t.to(torch.bfloat16) for t in ref.rope_cos_sin(torch.arange(S)[None].expand(B, S), D))
+    cos, sin = cos_sin(torch.arange(S)[None].expand(B, S), D, torch.bfloat16)
     seen = {}
     real = mod._forward
 
@@ -242,8 +250,7 @@ def test_other_strides_and_broadcast_cos_sin():
     q = base[:, :, ::2, 4:4 + D]  # every other head, and an offset inside each row
     k = randn(B, D, S, 2).permute(0, 2, 3, 1)  # head_dim not contiguous: copied once
     assert k.stride(-1) != 1
-    cos1, sin1 = ref.rope_cos_sin(torch.arange(S)[None] + 5, D)  # a batch of 1, as for shared positions
-    cos1, sin1 = cos1.float(), sin1.float()
+    cos1, sin1 = cos_sin(torch.arange(S)[None] + 5, D)  # a batch of 1, as for shared positions
     wq, wk = randn(D), randn(D)
     q_out, k_out = qk_norm_rope(q, k, wq, wk, cos1, sin1)
     q_exp, k_exp = qk_norm_rope(q.contiguous(), k.contiguous(), wq, wk, cos1.expand(B, S, D), sin1.expand(B, S, D))
@@ -256,7 +263,7 @@ def test_other_strides_and_broadcast_cos_sin():
 
 def test_without_weights():
     q, k = randn(1, 3, 2, 16), randn(1, 3, 1, 16)
-    cos, sin = (t.float() for t in ref.rope_cos_sin(torch.arange(3)[None], 16))
+    cos, sin = cos_sin(torch.arange(3)[None], 16)
     q_out, k_out = qk_norm_rope(q, k, None, None, cos, sin)
     assert_close_to_float64(q_out, q, None, cos, sin, torch.float32, "q")
     assert_close_to_float64(k_out, k, None, cos, sin, torch.float32, "k")
@@ -276,7 +283,7 @@ def test_empty_inputs(shape_q, shape_k):
 def test_nan_stays_in_its_head():
     q, k = randn(1, 3, 4, 16), randn(1, 3, 2, 16)
     q[0, 1, 2, 5] = float("nan")
-    cos, sin = (t.float() for t in ref.rope_cos_sin(torch.arange(3)[None], 16))
+    cos, sin = cos_sin(torch.arange(3)[None], 16)
     q_out, k_out = qk_norm_rope(q, k, None, None, cos, sin)
     bad = torch.isnan(q_out).any(-1)
     assert bad[0, 1, 2] and torch.isnan(q_out[0, 1, 2]).all() and bad.sum() == 1
@@ -286,7 +293,7 @@ def test_nan_stays_in_its_head():
 def test_deterministic():
     q, k = randn(2, 7, 4, 128, dtype=torch.bfloat16), randn(2, 7, 2, 128, dtype=torch.bfloat16)
     w = randn(128, dtype=torch.bfloat16)
-    cos, sin = (t.to(torch.bfloat16) for t in ref.rope_cos_sin(torch.arange(7)[None].expand(2, 7), 128))
+    cos, sin = cos_sin(torch.arange(7)[None].expand(2, 7), 128, torch.bfloat16)
     a, b = qk_norm_rope(q, k, w, w, cos, sin), qk_norm_rope(q, k, w, w, cos, sin)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
@@ -301,11 +308,11 @@ def test_property_logit_depends_only_on_relative_position(m, n, shift, seed):
     q, k = q1.expand(1, 2, 1, d), k1.expand(1, 2, 1, d)  # one vector at two positions, stride 0
     pos_q = torch.tensor([[m, max(m + shift, 0)]])
     pos_k = torch.tensor([[n, max(m + shift, 0) - m + n]])
-    cq, sq = (t.float() for t in ref.rope_cos_sin(pos_q, d))
-    ck, sk = (t.float() for t in ref.rope_cos_sin(pos_k, d))
+    cq, sq = cos_sin(pos_q, d)
+    ck, sk = cos_sin(pos_k, d)
     q_out, _ = qk_norm_rope(q, q, None, None, cq, sq, eps=0.0)
     k_out, _ = qk_norm_rope(k, k, None, None, ck, sk, eps=0.0)
-    torch.testing.assert_close(q_out.double().pow(2).mean(-1), torch.ones(1, 2, 1, dtype=torch.float64), rtol=1e-5, atol=0)
+    torch.testing.assert_close(q_out.double().pow(2).mean(-1).cpu(), torch.ones(1, 2, 1, dtype=torch.float64), rtol=1e-5, atol=0)
     logits = (q_out * k_out).double().sum(-1).flatten()
     # angles up to ~7000 rad lose ~7000·2**-24 in fp32 cos/sin: an absolute error of ~1e-3 on |logit| <= d.
     assert abs(logits[0] - logits[1]) < 2e-3 * d ** 0.5
@@ -318,7 +325,8 @@ def _args(**over):
     a = dict(q=torch.ones(B, S, 2, D), k=torch.ones(B, S, 1, D), q_weight=torch.ones(D), k_weight=torch.ones(D),
              cos=torch.ones(B, S, D), sin=torch.zeros(B, S, D))
     a.update(over)
-    return a
+    # Built at collection time on the CPU: move to the kernels' device (a meta tensor stays put).
+    return {n: v.to(DEVICE) if isinstance(v, torch.Tensor) and v.device.type != "meta" else v for n, v in a.items()}
 
 
 @pytest.mark.parametrize(
