@@ -92,3 +92,21 @@ def format_table(rows: list[dict], title: str = "") -> str:
     for r in rows:
         lines.append(f"{r['name']:<24}{r['ms']:>10.4f}{r['GB/s']:>10.1f}")
     return "\n".join(lines)
+
+
+def copy_bandwidth(nbytes: int = 2**28, timer: Callable[[Callable[[], object]], float] | None = None,
+                   device: torch.device | None = None) -> dict:
+    """The memory-bound speed of light, measured: a device-to-device copy of ``nbytes`` bytes.
+
+    A copy reads every byte once and writes it once, so it moves ``2 * nbytes`` bytes and does
+    no arithmetic: no kernel that must read its inputs and write its outputs can beat its GB/s.
+    The source holds random bytes (not zeros) and is larger than any L2 cache for the default
+    size. ``timer`` defaults to :func:`time_ms` (GPU only). Returns bytes, ms and GB/s.
+    """
+    timer = time_ms if timer is None else timer
+    device = DEVICE if device is None else device
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = timer(lambda: dst.copy_(src))
+    moved = 2 * nbytes
+    return {"bytes": moved, "ms": ms, "GB/s": gbps(moved, ms)}

@@ -1,0 +1,181 @@
+"""kernels.bench: the smoke run exercises the benchmark's whole code path on tiny shapes.
+
+On a CPU the smoke run times with the wall clock in Triton's interpreter; these tests check the
+machinery (cases, providers, bytes, checks, files, provenance), never the numbers' size.
+"""
+
+import csv
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kernels import DEVICE, bench
+
+FIELDS = ["gpu", "device", "torch", "triton", "dtype", "date", "command", "git_commit", "timer", "smoke"]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("smoke")
+    lines = []
+    result = bench.main(["--smoke", "--out", str(out)], log=lines.append)
+    return result, out, lines
+
+
+def test_smoke_run_writes_json_and_csv_with_provenance(smoke):
+    result, out, lines = smoke
+    assert result["json"].parent == out and result["csv"].parent == out
+    data = json.loads(result["json"].read_text())
+    prov = data["provenance"]
+    for key in FIELDS:
+        assert key in prov, key
+    assert prov["smoke"] is True and prov["torch"] == torch.__version__
+    assert prov["command"].startswith("python -m kernels.bench --smoke")
+    assert data["copy"]["bytes"] == 2 * 2**20 and data["copy"]["GB/s"] > 0
+    with result["csv"].open() as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(data["results"]) > 0
+    assert set(bench.CSV_FIELDS) <= set(rows[0])
+    assert all(r["gpu"] == prov["gpu"] and r["date"] == prov["date"] for r in rows)
+    assert any("wrote" in line for line in lines)
+
+
+def test_smoke_run_covers_every_case_and_provider(smoke):
+    result, _, _ = smoke
+    rows = result["results"]
+    for case in bench.CASES:
+        mine = [r for r in rows if (r["kernel"], r["direction"]) == (case.kernel, case.direction)]
+        assert mine, f"{case.name} missing from the results"
+        if mine[0]["provider"] == "all":
+            assert mine[0]["status"] == "skipped" and mine[0]["note"]
+            continue
+        assert {r["provider"] for r in mine} == set(bench.PROVIDERS)
+        assert {r["N"] for r in mine} == set(bench.SMOKE_SWEEP)
+        for r in mine:
+            assert r["status"] in ("ok", "skipped", "error")
+            if r["provider"] in ("kernels", "torch eager"):
+                assert r["status"] == "ok", r
+                assert r["check"] == "ok", r
+                assert r["ms"] > 0 and r["GB/s"] > 0 and r["pct_of_copy"] > 0
+
+
+def test_smoke_run_times_the_existing_kernels(smoke):
+    ok = {(r["kernel"], r["direction"]) for r in smoke[0]["results"] if r["provider"] == "kernels" and r["status"] == "ok"}
+    assert ("rms_norm", "forward") in ok and ("fused_add_rms_norm", "forward") in ok
+
+
+def test_bytes_are_the_tensor_sizes():
+    """The model: every tensor that must be read or written, once. Written out by hand here."""
+    M, N, s = 8, 256, 2
+    dt = torch.bfloat16
+    assert bench.build_rms_norm(M, N, dt, DEVICE).nbytes == 2 * M * N * s + N * s          # x, y; w
+    assert bench.build_fused_add_rms_norm(M, N, dt, DEVICE).nbytes == 4 * M * N * s + N * s  # x, r, y, h; w
+    try:
+        back = bench.build_rms_norm(M, N, dt, DEVICE, backward=True)
+    except bench.Skip:
+        pass
+    else:
+        assert back.nbytes == 3 * M * N * s + 2 * N * s  # x, dy, dx; w, dw
+    try:
+        qk = bench.build_qk_norm_rope(M, 1024, dt, DEVICE)
+    except bench.Skip:
+        return
+    hq, hk, d = 8, 2, bench.HEAD_DIM
+    assert qk.nbytes == 2 * M * (hq + hk) * d * s + 2 * d * s + 2 * M * d * s  # q, k in and out; weights; cos, sin
+
+
+def test_missing_kernel_is_reported_as_skipped():
+    def build(M, N, dtype, device):
+        bench._kernel("no_such_kernel")
+
+    def build_attr(M, N, dtype, device):
+        raise AttributeError("module 'kernels' has no attribute 'layer_norm'")
+
+    cases = [bench.Case("no_such_kernel", "forward", build), bench.Case("layer_norm", "forward", build_attr)]
+    rows = bench.run(cases, [256, 512], elements=512, dtype=torch.float32, providers=bench.PROVIDERS,
+                     timer=bench.wall_time_ms, copy_gbps=1.0, compile_ok=False, log=lambda *_: None)
+    assert [r["status"] for r in rows] == ["skipped", "skipped"]  # one row per case, not per size
+    assert "does not exist yet" in rows[0]["note"]
+
+
+def _problem(ours):
+    x, w = torch.randn(4, 64, device=DEVICE), torch.randn(64, device=DEVICE)
+    return bench.Problem((x, w), bench.timing.bytes_moved(x, w, x), ours, bench.torch_rms_norm,
+                         liger=lambda x, w: 1 / 0)
+
+
+def test_a_failing_or_wrong_provider_does_not_stop_the_run():
+    case = bench.Case("rms_norm", "forward", lambda *a: None)
+    wrong = lambda x, w: bench.torch_rms_norm(x, w) * 1.5  # noqa: E731
+    rows = bench.run_problem(case, _problem(wrong), 4, 64, ["kernels", "torch eager", "liger"],
+                             bench.wall_time_ms, 1.0, torch.float32, compile_ok=False)
+    by = {r["provider"]: r for r in rows}
+    assert by["kernels"]["check"].startswith("MISMATCH")
+    assert by["torch eager"]["check"] == "ok"
+    assert by["liger"]["status"] == "error" and "ZeroDivisionError" in by["liger"]["note"]
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="on a GPU the full run is allowed")
+def test_full_run_without_a_gpu_is_refused_and_writes_nothing():
+    before = sorted(bench.DATA_DIR.glob("*")) if bench.DATA_DIR.is_dir() else []
+    with pytest.raises(SystemExit, match="No CUDA GPU"):
+        bench.main([], log=lambda *_: None)
+    after = sorted(bench.DATA_DIR.glob("*")) if bench.DATA_DIR.is_dir() else []
+    assert before == after
+
+
+def test_smoke_never_writes_into_the_data_folder():
+    with pytest.raises(SystemExit, match="never writes"):
+        bench.main(["--smoke", "--out", str(bench.DATA_DIR)], log=lambda *_: None)
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(SystemExit, match="unknown case"):
+        bench.main(["--smoke", "--cases", "nope.forward"], log=lambda *_: None)
+    with pytest.raises(SystemExit, match="unknown provider"):
+        bench.main(["--smoke", "--providers", "cublas"], log=lambda *_: None)
+
+
+def test_loader_ignores_smoke_runs_and_reads_gpu_runs(smoke, tmp_path):
+    """A smoke file is never a result. A file that looks like a GPU run (made here, in a temporary
+    folder, from the smoke run's rows) goes through the chapter's loader, summary and plot."""
+    result, out, _ = smoke
+    assert bench.load_runs(out) == []
+    data = json.loads(result["json"].read_text())
+    data["provenance"].update(smoke=False, interpreter=False, device="cuda:0", timer=bench.DO_BENCH, gpu="test double")
+    (tmp_path / "run.json").write_text(json.dumps(data))
+    runs = bench.load_runs(tmp_path)
+    assert len(runs) == 1 and "test double" in bench.label(runs[0])
+    table = bench.summary(runs[0])
+    assert {(t["kernel"], t["provider"]) for t in table} >= {("rms_norm", "kernels"), ("rms_norm", "torch eager")}
+    import matplotlib
+
+    matplotlib.use("Agg")
+    fig = bench.plot_run(runs[0])
+    assert fig.axes and "test double" in fig._suptitle.get_text()
+
+
+def test_recorded_results_carry_their_provenance():
+    """Every file in data/bench/ comes from a full GPU run and says which GPU, versions and date."""
+    for path in sorted(bench.DATA_DIR.glob("*.json")):
+        data = json.loads(path.read_text())
+        prov = data["provenance"]
+        assert prov["smoke"] is False and str(prov["device"]).startswith("cuda"), path.name
+        for key in FIELDS:
+            assert prov.get(key) not in (None, ""), f"{path.name}: {key}"
+        assert path.with_suffix(".csv").exists(), f"{path.name} has no CSV twin"
+    assert (bench.DATA_DIR / "README.md").exists()
+
+
+def test_command_line_entry_point(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "kernels.bench", "--smoke", "--out", str(tmp_path),
+         "--cases", "fused_add_rms_norm.forward", "--sizes", "256", "--providers", "kernels,torch eager"],
+        capture_output=True, text=True, timeout=300, cwd=pathlib.Path(bench.ROOT))
+    assert proc.returncode == 0, proc.stderr
+    assert "fused_add_rms_norm.forward" in proc.stdout
+    assert len(list(tmp_path.glob("*_smoke.json"))) == 1 and len(list(tmp_path.glob("*_smoke.csv"))) == 1
