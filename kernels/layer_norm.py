@@ -60,7 +60,7 @@ def _layer_norm_fwd(
             cols = off + tl.arange(0, BLOCK_N)
             mask = row_mask[:, None] & (cols < N)[None, :]
             x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(ACC)
-            count_b = tl.sum(mask.to(ACC), axis=1)  # the last block may be partial; padding rows count 0
+            count_b = tl.where(row_mask, tl.minimum(N - off, BLOCK_N), 0).to(ACC)  # the last block may be partial
             mean_b = tl.sum(x, axis=1) / tl.maximum(count_b, 1.0)
             d = tl.where(mask, x - mean_b[:, None], 0.0)
             m2_b = tl.sum(d * d, axis=1)
