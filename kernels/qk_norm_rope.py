@@ -176,6 +176,9 @@ def qk_norm_rope(
             projection is read in place); a non-contiguous last dimension is copied once.
         k: ``(batch, seq, n_kv_heads, head_dim)``, q's dtype and device.
         q_weight, k_weight: ``(head_dim,)`` weights of q_norm and k_norm (both ``None``: no weight).
+            In q's dtype, as in a model stored in that dtype, the result matches transformers bit for
+            bit; with fp32 weights and half-precision q, transformers would promote the product to
+            fp32, whereas this kernel rounds it to q's dtype.
         cos, sin: ``(batch, seq, head_dim)`` as the rotary embedding returns them (a batch of 1 is
             broadcast), in q's dtype, in the ``rotate_half`` layout (dimension i and i + head_dim/2
             share an angle).
