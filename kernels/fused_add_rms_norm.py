@@ -63,8 +63,10 @@ def _fused_add_rms_norm_fwd(
         tl.debug_barrier()
     tl.store(Rstd + rows, rstd, mask=row_mask)
 
-    for off in range(0, N, BLOCK_N):
-        cols = off + tl.arange(0, BLOCK_N)
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    for i in range(0, n_blocks):
+        # Backwards: the blocks of h written last are the likeliest to be still in L2.
+        cols = (n_blocks - 1 - i) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = row_mask[:, None] & (cols < N)[None, :]
         if not SINGLE_BLOCK:
             h = tl.load(h_rows + cols[None, :], mask=mask, other=0.0).to(ACC)
