@@ -198,6 +198,9 @@ def _layer_norm_bwd(
                 acc_gx += g * xhat
             g_mean = tl.sum(acc_g, axis=1) / N
             gx_mean = tl.sum(acc_gx, axis=1) / N
+            # The previous row's partial-sum stores may come from other threads of this program:
+            # make them visible before sweep 2 reads them back.
+            tl.debug_barrier()
             # Sweep 2: read the row again (mostly from L2 on a GPU) and write dx.
             for off in range(0, N, BLOCK_N):
                 cols = off + tl.arange(0, BLOCK_N)

@@ -153,6 +153,9 @@ def _rms_norm_bwd(
                     dy = dy * tl.load(W + cols, mask=cols < N, other=0.0).to(ACC)[None, :]
                 acc += x * rstd[:, None] * dy
             c = tl.sum(acc, axis=1) / N
+            # The previous row's partial-sum stores may come from other threads of this program:
+            # make them visible before sweep 2 reads them back.
+            tl.debug_barrier()
             # Sweep 2: read the row again (mostly from L2 on a GPU) and write dx.
             for off in range(0, N, BLOCK_N):
                 cols = off + tl.arange(0, BLOCK_N)
