@@ -34,7 +34,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import LOW_PRECISION, UNIT_ROUNDOFF, randn
+from conftest import LOW_PRECISION, randn
 from kernels import DEVICE, layer_norm, row_variance
 from kernels import reference as ref
 from kernels._config import row_config
@@ -199,21 +199,21 @@ def test_low_precision_accumulation_within_bounds(method, acc, n):
     check(x, method, acc, what=f"acc {acc} N={n}")
 
 
+def _next_pow2(n):
+    return 1 << (n - 1).bit_length()
+
+
 def _round(v, dtype):
     return np.float32(torch.tensor(float(v), dtype=torch.float32).to(dtype).float().item())
 
 
 def _tree_sum(vals, dtype):
     """Pairwise tree as the kernel builds it (lane j with lane j + H), every partial sum rounded."""
-    vals = list(vals) + [np.float32(0.0)] * (triton_next_pow2(len(vals)) - len(vals))
+    vals = list(vals) + [np.float32(0.0)] * (_next_pow2(len(vals)) - len(vals))
     while len(vals) > 1:
         h = len(vals) // 2
         vals = [_round(np.float32(a) + np.float32(b), dtype) for a, b in zip(vals[:h], vals[h:])]
     return vals[0]
-
-
-def triton_next_pow2(n):
-    return 1 << (n - 1).bit_length()
 
 
 @pytest.mark.parametrize("acc", [torch.float16, torch.bfloat16])
