@@ -43,7 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -573,7 +573,7 @@ def parse_args(argv):
     ap.add_argument("--out", type=pathlib.Path, help=f"folder for the results (default {DATA_DIR}; smoke: a temp folder)")
     ap.add_argument("--cases", help="comma-separated case names, e.g. rms_norm.forward,fused_add_rms_norm.forward")
     ap.add_argument("--sizes", help="comma-separated hidden sizes N (default 256 … 262144, powers of two)")
-    ap.add_argument("--elements", type=int, help=f"elements per row-sized tensor, M = elements // N (default 2**26)")
+    ap.add_argument("--elements", type=int, help="elements per row-sized tensor, M = elements // N (default 2**26)")
     ap.add_argument("--providers", help=f"comma-separated subset of {','.join(PROVIDERS)}")
     ap.add_argument("--copy-mb", type=float, help="size of the copy that measures the bandwidth, MiB (default 256)")
     return ap.parse_args(argv)

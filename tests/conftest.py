@@ -83,3 +83,19 @@ def built_html(executed_book):
     code, log, html = book_build.build_html()
     assert code == 0, "jupyter-book build of the executed chapters failed:\n" + log[-6000:]
     return html
+
+
+def assert_rejected_before_launch(monkeypatch, module: str, call, exc, words: str) -> None:
+    """``call()`` raises ``exc`` with ``words`` in its message, and never reaches the launcher
+    ``_forward`` of ``kernels.<module>`` (the module, not the function of the same name)."""
+    import importlib
+
+    mod = importlib.import_module(f"kernels.{module}")
+
+    def no_launch(*a, **k):
+        raise AssertionError("the kernel was launched with a bad argument")
+
+    monkeypatch.setattr(mod, "_forward", no_launch)
+    with pytest.raises(exc) as info:
+        call()
+    assert words in str(info.value)

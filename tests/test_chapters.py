@@ -1,7 +1,6 @@
 """Every chapter is executed as a test: a failing cell fails it, naming the chapter and the cell."""
 
 import json
-import pathlib
 import subprocess
 import sys
 

@@ -12,7 +12,6 @@ Two outputs, two arguments for the tolerance:
   more, relatively.
 """
 
-import importlib
 import math
 
 import pytest
@@ -20,7 +19,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import LOW_PRECISION, UNIT_ROUNDOFF, assert_close_to_reference, norm_tolerance, randn
+from conftest import LOW_PRECISION, UNIT_ROUNDOFF, assert_close_to_reference, norm_tolerance, randn, assert_rejected_before_launch
 from kernels import DEVICE, fused_add_rms_norm, rms_norm
 from kernels import reference as ref
 
@@ -218,12 +217,4 @@ ONES = ones(3, 4)
     ],
 )
 def test_bad_arguments_raise_clear_errors(call, exc, words, monkeypatch):
-    mod = importlib.import_module("kernels.fused_add_rms_norm")  # the module, not the function of the same name
-
-    def no_launch(*a, **k):
-        raise AssertionError("the kernel was launched with a bad argument")
-
-    monkeypatch.setattr(mod, "_forward", no_launch)
-    with pytest.raises(exc) as info:
-        call()
-    assert words in str(info.value)
+    assert_rejected_before_launch(monkeypatch, "fused_add_rms_norm", call, exc, words)

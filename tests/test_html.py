@@ -8,7 +8,6 @@ and each chapter's Colab link points at that chapter's notebook in the configure
 import functools
 import http.server
 import os
-import pathlib
 import shutil
 import threading
 

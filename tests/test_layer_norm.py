@@ -19,7 +19,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import LOW_PRECISION, UNIT_ROUNDOFF, randn
+from conftest import LOW_PRECISION, UNIT_ROUNDOFF, randn, assert_rejected_before_launch
 from kernels import DEVICE, layer_norm
 from kernels import reference as ref
 
@@ -283,12 +283,4 @@ def test_property_zero_mean_unit_variance_and_invariances(m, n, log_scale, shift
     ],
 )
 def test_bad_arguments_raise_clear_errors(call, exc, words, monkeypatch):
-    mod = importlib.import_module("kernels.layer_norm")  # the module, not the function of the same name
-
-    def no_launch(*a, **k):
-        raise AssertionError("the kernel was launched with a bad argument")
-
-    monkeypatch.setattr(mod, "_forward", no_launch)
-    with pytest.raises(exc) as info:
-        call()
-    assert words in str(info.value)
+    assert_rejected_before_launch(monkeypatch, "layer_norm", call, exc, words)

@@ -24,7 +24,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import UNIT_ROUNDOFF, randn
+from conftest import UNIT_ROUNDOFF, randn, assert_rejected_before_launch
 from kernels import DEVICE, qk_norm_rope
 from kernels import reference as ref
 from kernels.qk_norm_rope import BUGS, qk_norm_rope_torch
@@ -357,15 +357,7 @@ def _args(**over):
     ],
 )
 def test_bad_arguments_raise_clear_errors(over, exc, words, monkeypatch):
-    mod = importlib.import_module("kernels.qk_norm_rope")  # the module, not the function of the same name
-
-    def no_launch(*a, **k):
-        raise AssertionError("the kernel was launched with a bad argument")
-
-    monkeypatch.setattr(mod, "_forward", no_launch)
-    with pytest.raises(exc) as info:
-        qk_norm_rope(**_args(**over))
-    assert words in str(info.value)
+    assert_rejected_before_launch(monkeypatch, "qk_norm_rope", lambda: qk_norm_rope(**_args(**over)), exc, words)
 
 
 def test_unknown_bug_name_is_rejected():

@@ -1,6 +1,5 @@
 """kernels.rms_norm against the float64 reference (kernels.reference.rms_norm)."""
 
-import importlib
 import math
 
 import pytest
@@ -8,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import LOW_PRECISION, UNIT_ROUNDOFF, assert_close_to_reference, randn
+from conftest import LOW_PRECISION, UNIT_ROUNDOFF, assert_close_to_reference, randn, assert_rejected_before_launch
 from kernels import DEVICE, rms_norm
 from kernels import reference as ref
 
@@ -159,12 +158,4 @@ def test_property_scale_invariance_and_unit_rms(m, n, log_scale, a, seed):
     ],
 )
 def test_bad_arguments_raise_clear_errors(call, exc, words, monkeypatch):
-    mod = importlib.import_module("kernels.rms_norm")  # the module, not the function of the same name
-
-    def no_launch(*a, **k):
-        raise AssertionError("the kernel was launched with a bad argument")
-
-    monkeypatch.setattr(mod, "_forward", no_launch)
-    with pytest.raises(exc) as info:
-        call()
-    assert words in str(info.value)
+    assert_rejected_before_launch(monkeypatch, "rms_norm", call, exc, words)

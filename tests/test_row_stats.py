@@ -24,7 +24,6 @@ The last bound is the book's claim: the one-pass error grows with κ², so at κ
 size of the variance itself (``test_one_pass_fails_where_the_book_says``).
 """
 
-import importlib
 import math
 
 import mpmath
@@ -34,7 +33,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import LOW_PRECISION, randn
+from conftest import LOW_PRECISION, randn, assert_rejected_before_launch
 from kernels import DEVICE, layer_norm, row_variance
 from kernels import reference as ref
 from kernels._config import row_config
@@ -321,12 +320,4 @@ def test_property_every_method_within_its_bound(m, n, log_offset, log_scale, see
     ],
 )
 def test_bad_arguments_raise_clear_errors(call, exc, words, monkeypatch):
-    mod = importlib.import_module("kernels.row_stats")
-
-    def no_launch(*a, **k):
-        raise AssertionError("the kernel was launched with a bad argument")
-
-    monkeypatch.setattr(mod, "_forward", no_launch)
-    with pytest.raises(exc) as info:
-        call()
-    assert words in str(info.value)
+    assert_rejected_before_launch(monkeypatch, "row_stats", call, exc, words)
