@@ -23,7 +23,9 @@ def default_dtype() -> torch.dtype:
     bf16 where the GPU supports it (Ampere and newer), fp16 on older GPUs such as a T4,
     and bf16 on the CPU interpreter (it emulates every dtype).
     """
-    if DEVICE.type == "cuda" and not torch.cuda.is_bf16_supported():
+    # Not torch.cuda.is_bf16_supported(): since torch 2.3 it also counts emulated bf16 and says
+    # yes on a T4. Native bf16 arrived with compute capability 8.0 (Ampere).
+    if DEVICE.type == "cuda" and torch.cuda.get_device_capability(DEVICE) < (8, 0):
         return torch.float16
     return torch.bfloat16
 

@@ -119,7 +119,7 @@ def rms_norm_jacobian(x, weight=None, eps=1e-6):
     n = x.shape[-1]
     r = rms(x, eps)[..., 0]
     g = torch.ones_like(x) if weight is None else _d(weight)
-    return g[:, None] * (torch.eye(n, dtype=f64) / r - torch.outer(x, x) / (n * r**3))
+    return g[:, None] * (torch.eye(n, dtype=f64, device=x.device) / r - torch.outer(x, x) / (n * r**3))
 
 
 def rms_norm_vjp(x, dy, weight=None, eps=1e-6):
@@ -131,7 +131,7 @@ def rms_norm_vjp(x, dy, weight=None, eps=1e-6):
     x, dy = _d(x), _d(dy)
     n = x.shape[-1]
     r = rms(x, eps)
-    g = torch.ones(n, dtype=f64) if weight is None else _d(weight)
+    g = torch.ones(n, dtype=f64, device=x.device) if weight is None else _d(weight)
     gdy = g * dy
     dx = gdy / r - x * (x * gdy).sum(dim=-1, keepdim=True) / (n * r**3)
     dw = None if weight is None else (dy * x / r).reshape(-1, n).sum(dim=0)
@@ -145,7 +145,7 @@ def layer_norm_jacobian(x, weight=None, eps=1e-5):
     s = torch.sqrt(variance(x) + eps)[..., 0]
     xhat = (x - mean(x)) / s
     g = torch.ones_like(x) if weight is None else _d(weight)
-    inner = torch.eye(n, dtype=f64) - torch.ones(n, n, dtype=f64) / n - torch.outer(xhat, xhat) / n
+    inner = torch.eye(n, dtype=f64, device=x.device) - torch.ones(n, n, dtype=f64, device=x.device) / n - torch.outer(xhat, xhat) / n
     return g[:, None] * inner / s
 
 
@@ -178,7 +178,7 @@ def rope_cos_sin(positions, head_dim, base=10000.0):
     r"""cos and sin of θ_{m,i} = m · base^(−2i/d), i < d/2, each repeated so that dimension i and
     i + d/2 share an angle (the ``rotate_half`` layout). Shapes: positions (..., ) → (..., d)."""
     pos = _d(positions)
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=f64) / head_dim)
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=f64, device=pos.device) / head_dim)
     angles = pos[..., None] * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
     return torch.cos(angles), torch.sin(angles)

@@ -17,7 +17,7 @@ import types
 import torch
 
 torch.cuda.is_available = lambda: True
-torch.cuda.is_bf16_supported = lambda *a, **k: True
+torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
 torch.cuda.get_device_properties = lambda *a, **k: types.SimpleNamespace(multi_processor_count=132)
 torch.cuda.get_device_name = lambda *a, **k: "compile-only target"
 os.environ.pop("TRITON_INTERPRET", None)
