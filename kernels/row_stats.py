@@ -190,8 +190,6 @@ def _forward(x2d: torch.Tensor, method: str, acc_dtype: torch.dtype):
     var = torch.empty((M,), dtype=acc, device=x2d.device)
     if M == 0:
         return mean, var
-    if N == 0:
-        return mean.fill_(float("nan")), var.fill_(float("nan"))  # 0/0, as torch.mean of an empty row
     cfg = row_config(M, N, x2d.element_size())
     grid = (triton.cdiv(M, cfg.BLOCK_M),)
     args = (x2d, mean, var, x2d.stride(0), M, N)
@@ -255,6 +253,6 @@ def row_variance(x: torch.Tensor, method: str = "welford", acc_dtype: torch.dtyp
     lead = x.shape[:-1]
     if x.numel() == 0:  # no kernel to launch: empty rows, or rows with no elements (mean 0/0 = NaN)
         acc = torch.float64 if acc_dtype == torch.float64 else torch.float32
-        return (torch.full(lead, float("nan"), dtype=acc, device=x.device),) * 2
+        return tuple(torch.full(lead, float("nan"), dtype=acc, device=x.device) for _ in range(2))  # two tensors
     mean, var = _forward(_validate.as_rows(x), method, acc_dtype)
     return mean.view(lead), var.view(lead)

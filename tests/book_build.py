@@ -24,7 +24,8 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-OUT = ROOT / "_build" / "test-book"
+# $BOOK_TEST_DIR lets two test runs in one checkout use separate folders (each deletes its own).
+OUT = pathlib.Path(os.environ.get("BOOK_TEST_DIR", ROOT / "_build" / "test-book")).resolve()
 
 
 def toc_files() -> list[str]:

@@ -68,8 +68,6 @@ def compile_instead_of_running(self, *args, grid=None, warmup=False, **kwargs):
     uses_bf16 = any(t == "*bf16" for t in sig.values()) or any(str(v) == "bf16" for v in consts.values())
     key = (self.__name__, tuple(sorted(sig.items())), tuple(sorted((k, str(v)) for k, v in consts.items())))
     for name, target in TARGETS:
-        if name == "sm_75" and uses_bf16:
-            continue
         if (key, name) in seen:
             continue
         options = {"num_warps": kwargs.get("num_warps", 4)}
