@@ -28,6 +28,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 OUT = pathlib.Path(os.environ.get("BOOK_TEST_DIR", ROOT / "_build" / "test-book")).resolve()
 
 
+LAST_RUN: dict = {}  # the latest execute_all() results, for the test summary
+
+
 def toc_files() -> list[str]:
     """Book-relative paths (no suffix) of every page in _toc.yml, in order."""
     toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
@@ -99,7 +102,9 @@ def execute_all(workers: int | None = None) -> dict[str, Execution]:
     workers = workers or min(2, os.cpu_count() or 1)
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         results = list(pool.map(execute, notebooks))
-    return {r.path.stem: r for r in results}
+    LAST_RUN.clear()
+    LAST_RUN.update({r.path.stem: r for r in results})
+    return dict(LAST_RUN)
 
 
 def build_html() -> tuple[int, str, pathlib.Path]:

@@ -99,3 +99,14 @@ def assert_rejected_before_launch(monkeypatch, module: str, call, exc, words: st
     with pytest.raises(exc) as info:
         call()
     assert words in str(info.value)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Print how long each chapter took to execute (when the chapter tests ran)."""
+    import book_build
+
+    if book_build.LAST_RUN:
+        terminalreporter.write_sep("-", "chapter execution times")
+        for name, result in book_build.LAST_RUN.items():
+            status = "ok" if result.error is None else "FAILED"
+            terminalreporter.write_line(f"{name:<20} {result.seconds:6.1f} s  {status}")
