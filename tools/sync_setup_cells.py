@@ -33,21 +33,29 @@ def chapters():
     return sorted((ROOT / "book").glob("*.ipynb"))
 
 
-def setup_index(nb) -> int | None:
-    for i, c in enumerate(nb["cells"]):
-        if c["cell_type"] == "code" and "setup" in c.get("metadata", {}).get("tags", []):
-            return i
-    return None
+FIRST_LINE = "# Set-up. In Colab"
+
+
+def setup_indices(nb) -> list[int]:
+    """Cells that are (or were) the set-up cell: tagged "setup", or starting with its first line
+    (a jupytext round trip can drop the tag and comment out the indented %pip line)."""
+    return [i for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code" and (
+        "setup" in c.get("metadata", {}).get("tags", []) or "".join(c["source"]).startswith(FIRST_LINE))]
 
 
 def sync(path: pathlib.Path, check: bool) -> bool:
     nb = json.loads(path.read_text())
     want = setup_source()
-    i = setup_index(nb)
-    if i is not None and "".join(nb["cells"][i]["source"]) == want:
+    found = setup_indices(nb)
+    i = found[0] if found else None
+    ok = len(found) == 1 and "".join(nb["cells"][i]["source"]) == want \
+        and nb["cells"][i]["metadata"].get("tags") == TAGS
+    if ok:
         return True
     if check:
         return False
+    for j in reversed(found[1:]):  # stale copies
+        del nb["cells"][j]
     cell = {"cell_type": "code", "execution_count": None, "id": "setup", "metadata": {"tags": TAGS},
             "outputs": [], "source": want.splitlines(keepends=True)}
     if i is None:
