@@ -48,3 +48,10 @@ def test_config_executes_every_chapter_and_fails_on_error():
     cfg = yaml.safe_load((ROOT / "_config.yml").read_text())
     assert cfg["execute"]["execute_notebooks"] == "force"
     assert cfg["sphinx"]["config"]["nb_execution_raise_on_error"] is True
+
+
+@pytest.mark.parametrize("path", chapter_notebooks(), ids=lambda p: p.stem)
+def test_chapter_names_its_kernel(path):
+    """Colab and Jupyter Book choose the kernel from the notebook's metadata."""
+    nb = json.loads(path.read_text())
+    assert nb["metadata"].get("kernelspec", {}).get("name") == "python3", f"{path.name}: run tools/clean_notebooks.py"

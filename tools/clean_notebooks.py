@@ -11,6 +11,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 for path in sorted((ROOT / "book").glob("*.ipynb")):
     nb = json.loads(path.read_text())
+    # Colab and Jupyter Book pick the kernel from here; a jupytext round trip drops it.
+    nb["metadata"]["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
+    nb["metadata"]["language_info"] = {"name": "python"}
     nb["metadata"]["jupytext"] = {"cell_metadata_filter": "tags,-all", "main_language": "python",
                                   "notebook_metadata_filter": "-all"}
     for c in nb["cells"]:
