@@ -2,7 +2,9 @@
 
 from dataclasses import dataclass
 
+import torch
 import triton
+import triton.language as tl
 
 # A row up to this many bytes is held in registers and read once.
 MAX_FUSED_BYTES = 65536
@@ -30,3 +32,13 @@ def row_config(M: int, N: int, element_size: int) -> RowConfig:
         block_m = min(max(MIN_TILE // block_n, 1), triton.next_power_of_2(max(M, 1)))
     num_warps = min(max(block_m * block_n // 256, 1), 16)
     return RowConfig(block_m, block_n, single, num_warps)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Where statistics are accumulated: fp64 for fp64 inputs (gradient checks), else fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def tl_accumulation_dtype(dtype: torch.dtype):
+    """:func:`accumulation_dtype` as the Triton dtype a kernel's ``ACC`` constexpr takes."""
+    return tl.float64 if dtype == torch.float64 else tl.float32

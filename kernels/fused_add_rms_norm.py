@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from . import _validate
-from ._config import row_config
+from ._config import accumulation_dtype, row_config, tl_accumulation_dtype
 from ._triton_utils import round_to
 
 
@@ -84,7 +84,7 @@ def _forward(x2d: torch.Tensor, r2d: torch.Tensor, weight, eps: float):
     M, N = x2d.shape
     y = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)
     h = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)
-    acc = torch.float64 if x2d.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(x2d.dtype)
     rstd = torch.empty((M,), dtype=acc, device=x2d.device)
     if M == 0 or N == 0:
         return y, h, rstd.fill_(float("nan") if N == 0 else 0.0)
@@ -93,7 +93,7 @@ def _forward(x2d: torch.Tensor, r2d: torch.Tensor, weight, eps: float):
     _fused_add_rms_norm_fwd[(triton.cdiv(M, cfg.BLOCK_M),)](
         x2d, r2d, y, h, w, rstd,
         x2d.stride(0), r2d.stride(0), y.stride(0), h.stride(0), M, N, eps,
-        HAS_WEIGHT=weight is not None, ACC=tl.float64 if acc == torch.float64 else tl.float32,
+        HAS_WEIGHT=weight is not None, ACC=tl_accumulation_dtype(acc),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, SINGLE_BLOCK=cfg.SINGLE_BLOCK,
         num_warps=cfg.num_warps,
     )

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from . import _validate
-from ._config import row_config
+from ._config import accumulation_dtype, row_config, tl_accumulation_dtype
 from ._reduce import num_partials, sum_partials
 from ._triton_utils import chan_combine, round_to
 
@@ -105,7 +105,7 @@ def _forward(x2d: torch.Tensor, weight, bias, eps: float):
     in the accumulation dtype (fp32; fp64 for fp64 input)."""
     M, N = x2d.shape
     y = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)
-    acc = torch.float64 if x2d.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(x2d.dtype)
     mean = torch.empty((M,), dtype=acc, device=x2d.device)
     rstd = torch.empty((M,), dtype=acc, device=x2d.device)
     if M == 0 or N == 0:
@@ -117,7 +117,7 @@ def _forward(x2d: torch.Tensor, weight, bias, eps: float):
     _layer_norm_fwd[(triton.cdiv(M, cfg.BLOCK_M),)](
         x2d, y, w, b, mean, rstd, x2d.stride(0), y.stride(0), M, N, eps,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-        ACC=tl.float64 if acc == torch.float64 else tl.float32,
+        ACC=tl_accumulation_dtype(acc),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, SINGLE_BLOCK=cfg.SINGLE_BLOCK,
         num_warps=cfg.num_warps,
     )
@@ -243,7 +243,7 @@ def _backward(dy2d, x2d, weight, bias, mean, rstd, compute_dw: bool, compute_db:
         x2d, w, mean, rstd, dy2d, dx, dw_part, db_part,
         x2d.stride(0), dy2d.stride(0), dx.stride(0), M, N, G,
         HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db,
-        ACC=tl.float64 if rstd.dtype == torch.float64 else tl.float32,
+        ACC=tl_accumulation_dtype(rstd.dtype),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, SINGLE_BLOCK=cfg.SINGLE_BLOCK,
         num_warps=cfg.num_warps,
     )

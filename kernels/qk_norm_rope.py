@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from . import _validate
-from ._config import MAX_FUSED_BYTES, row_config
+from ._config import MAX_FUSED_BYTES, row_config, tl_accumulation_dtype
 from ._triton_utils import round_to
 
 
@@ -128,7 +128,7 @@ def _forward(q, k, q_weight, k_weight, cos, sin, eps: float):
         k.stride(0), k.stride(1), k.stride(2),
         cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
         D // 2, eps,
-        HAS_WEIGHT=has_weight, ACC=tl.float64 if q.dtype == torch.float64 else tl.float32,
+        HAS_WEIGHT=has_weight, ACC=tl_accumulation_dtype(q.dtype),
         BLOCK_M=cfg.BLOCK_M, BLOCK_HALF=cfg.BLOCK_N // 2, num_warps=cfg.num_warps,
     )
     return q_out, k_out

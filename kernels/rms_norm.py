@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from . import _validate
-from ._config import row_config
+from ._config import accumulation_dtype, row_config, tl_accumulation_dtype
 from ._reduce import num_partials, sum_partials
 from ._triton_utils import round_to
 
@@ -78,7 +78,7 @@ def _forward(x2d: torch.Tensor, weight, eps: float):
     """Launch the kernel on a (M, N) view; returns (y2d, rstd), rstd of shape (M,) in the accumulation dtype."""
     M, N = x2d.shape
     y = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)
-    acc = torch.float64 if x2d.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(x2d.dtype)
     rstd = torch.empty((M,), dtype=acc, device=x2d.device)
     if M == 0 or N == 0:
         return y, rstd.fill_(float("nan") if N == 0 else 0.0)
@@ -86,7 +86,7 @@ def _forward(x2d: torch.Tensor, weight, eps: float):
     w = weight.contiguous() if weight is not None else x2d  # dummy pointer when HAS_WEIGHT is False
     _rms_norm_fwd[(triton.cdiv(M, cfg.BLOCK_M),)](
         x2d, y, w, rstd, x2d.stride(0), y.stride(0), M, N, eps,
-        HAS_WEIGHT=weight is not None, ACC=tl.float64 if acc == torch.float64 else tl.float32,
+        HAS_WEIGHT=weight is not None, ACC=tl_accumulation_dtype(acc),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, SINGLE_BLOCK=cfg.SINGLE_BLOCK,
         num_warps=cfg.num_warps,
     )
@@ -193,7 +193,7 @@ def _backward(dy2d: torch.Tensor, x2d: torch.Tensor, weight, rstd: torch.Tensor,
         x2d, w, rstd, dy2d, dx, partial,
         x2d.stride(0), dy2d.stride(0), dx.stride(0), M, N, G,
         HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw,
-        ACC=tl.float64 if rstd.dtype == torch.float64 else tl.float32,
+        ACC=tl_accumulation_dtype(rstd.dtype),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, SINGLE_BLOCK=cfg.SINGLE_BLOCK,
         num_warps=cfg.num_warps,
     )

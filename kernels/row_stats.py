@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from . import _validate
-from ._config import row_config
+from ._config import accumulation_dtype, row_config
 from ._triton_utils import chan_combine, round_to
 
 METHODS = ("two_pass", "one_pass", "welford")
@@ -185,7 +185,7 @@ def _welford_kernel(
 def _forward(x2d: torch.Tensor, method: str, acc_dtype: torch.dtype):
     """Launch one kernel on a (M, N) view; returns (mean, var), each of shape (M,), fp32 (fp64 for fp64 arithmetic)."""
     M, N = x2d.shape
-    acc = torch.float64 if acc_dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(acc_dtype)
     mean = torch.empty((M,), dtype=acc, device=x2d.device)
     var = torch.empty((M,), dtype=acc, device=x2d.device)
     if M == 0:
@@ -214,7 +214,7 @@ def _check_method(method) -> str:
 
 def _check_acc_dtype(acc_dtype, x: torch.Tensor) -> torch.dtype:
     if acc_dtype is None:
-        return torch.float64 if x.dtype == torch.float64 else torch.float32
+        return accumulation_dtype(x.dtype)
     if not isinstance(acc_dtype, torch.dtype):
         raise TypeError(f"acc_dtype must be a torch.dtype or None, got {type(acc_dtype).__name__}")
     if acc_dtype not in ACC_DTYPES:
@@ -252,7 +252,7 @@ def row_variance(x: torch.Tensor, method: str = "welford", acc_dtype: torch.dtyp
     acc_dtype = _check_acc_dtype(acc_dtype, x)
     lead = x.shape[:-1]
     if x.numel() == 0:  # no kernel to launch: empty rows, or rows with no elements (mean 0/0 = NaN)
-        acc = torch.float64 if acc_dtype == torch.float64 else torch.float32
+        acc = accumulation_dtype(acc_dtype)
         return tuple(torch.full(lead, float("nan"), dtype=acc, device=x.device) for _ in range(2))  # two tensors
     mean, var = _forward(_validate.as_rows(x), method, acc_dtype)
     return mean.view(lead), var.view(lead)
