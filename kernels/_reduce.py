@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._config import LAUNCH
 from ._runtime import DEVICE, INTERPRET
 from ._triton_utils import round_to
 
@@ -65,5 +66,5 @@ def sum_partials(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # On a GPU, narrow column blocks give many programs; in the interpreter, wide ones give few.
     block_n = min(triton.next_power_of_2(N), 256 if not INTERPRET else 4096)
     block_g = min(triton.next_power_of_2(G), max(1, 4096 // block_n))
-    _sum_partials[(triton.cdiv(N, block_n),)](partial, out, G, N, BLOCK_G=block_g, BLOCK_N=block_n)
+    _sum_partials[(triton.cdiv(N, block_n),)](partial, out, G, N, BLOCK_G=block_g, BLOCK_N=block_n, **LAUNCH)
     return out

@@ -34,3 +34,12 @@ def device_name() -> str:
     if DEVICE.type == "cuda":
         return torch.cuda.get_device_name(DEVICE)
     return "CPU (Triton interpreter)"
+
+
+def device_guard(t: torch.Tensor):
+    """Context for a launch on ``t``'s device: Triton launches on the *current* CUDA device, so a
+    tensor on ``cuda:1`` must make ``cuda:1`` current while its kernel is launched. A no-op on the
+    CPU (the interpreter)."""
+    import contextlib
+
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from . import _validate
-from ._config import accumulation_dtype, row_config, tl_accumulation_dtype
+from ._config import LAUNCH, accumulation_dtype, row_config, tl_accumulation_dtype
 from ._triton_utils import round_to
 
 
@@ -95,7 +95,7 @@ def _forward(x2d: torch.Tensor, r2d: torch.Tensor, weight, eps: float):
         x2d.stride(0), r2d.stride(0), y.stride(0), h.stride(0), M, N, eps,
         HAS_WEIGHT=weight is not None, ACC=tl_accumulation_dtype(acc),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, SINGLE_BLOCK=cfg.SINGLE_BLOCK,
-        num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps, **LAUNCH,
     )
     return y, h, rstd
 

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from . import _validate
-from ._config import accumulation_dtype, row_config, tl_accumulation_dtype
+from ._config import LAUNCH, accumulation_dtype, row_config, tl_accumulation_dtype
 from ._reduce import num_partials, sum_partials
 from ._triton_utils import chan_combine, round_to
 
@@ -119,7 +119,7 @@ def _forward(x2d: torch.Tensor, weight, bias, eps: float):
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         ACC=tl_accumulation_dtype(acc),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, SINGLE_BLOCK=cfg.SINGLE_BLOCK,
-        num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps, **LAUNCH,
     )
     return y, mean, rstd
 
@@ -245,7 +245,7 @@ def _backward(dy2d, x2d, weight, bias, mean, rstd, compute_dw: bool, compute_db:
         HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db,
         ACC=tl_accumulation_dtype(rstd.dtype),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, SINGLE_BLOCK=cfg.SINGLE_BLOCK,
-        num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps, **LAUNCH,
     )
     dw = sum_partials(dw_part, weight.dtype) if compute_dw else None
     db = sum_partials(db_part, bias.dtype) if compute_db else None

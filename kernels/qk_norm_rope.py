@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from . import _validate
-from ._config import MAX_FUSED_BYTES, row_config, tl_accumulation_dtype
+from ._config import LAUNCH, MAX_FUSED_BYTES, row_config, tl_accumulation_dtype
 from ._triton_utils import round_to
 
 
@@ -129,7 +129,7 @@ def _forward(q, k, q_weight, k_weight, cos, sin, eps: float):
         cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
         D // 2, eps,
         HAS_WEIGHT=has_weight, ACC=tl_accumulation_dtype(q.dtype),
-        BLOCK_M=cfg.BLOCK_M, BLOCK_HALF=cfg.BLOCK_N // 2, num_warps=cfg.num_warps,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_HALF=cfg.BLOCK_N // 2, num_warps=cfg.num_warps, **LAUNCH,
     )
     return q_out, k_out
 

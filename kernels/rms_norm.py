@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from . import _validate
-from ._config import accumulation_dtype, row_config, tl_accumulation_dtype
+from ._config import LAUNCH, accumulation_dtype, row_config, tl_accumulation_dtype
 from ._reduce import num_partials, sum_partials
 from ._triton_utils import round_to
 
@@ -88,7 +88,7 @@ def _forward(x2d: torch.Tensor, weight, eps: float):
         x2d, y, w, rstd, x2d.stride(0), y.stride(0), M, N, eps,
         HAS_WEIGHT=weight is not None, ACC=tl_accumulation_dtype(acc),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, SINGLE_BLOCK=cfg.SINGLE_BLOCK,
-        num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps, **LAUNCH,
     )
     return y, rstd
 
@@ -195,7 +195,7 @@ def _backward(dy2d: torch.Tensor, x2d: torch.Tensor, weight, rstd: torch.Tensor,
         HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw,
         ACC=tl_accumulation_dtype(rstd.dtype),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, SINGLE_BLOCK=cfg.SINGLE_BLOCK,
-        num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps, **LAUNCH,
     )
     dw = sum_partials(partial, weight.dtype) if compute_dw else None
     return dx, dw

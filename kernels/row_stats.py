@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from . import _validate
-from ._config import accumulation_dtype, row_config
+from ._config import LAUNCH, accumulation_dtype, row_config
 from ._triton_utils import chan_combine, round_to
 
 METHODS = ("two_pass", "one_pass", "welford")
@@ -194,7 +194,7 @@ def _forward(x2d: torch.Tensor, method: str, acc_dtype: torch.dtype):
     grid = (triton.cdiv(M, cfg.BLOCK_M),)
     args = (x2d, mean, var, x2d.stride(0), M, N)
     consts = dict(ACC=_TL[acc], LOW=_TL[acc_dtype], BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
-                  LOG_BLOCK_N=cfg.BLOCK_N.bit_length() - 1, num_warps=cfg.num_warps)
+                  LOG_BLOCK_N=cfg.BLOCK_N.bit_length() - 1, num_warps=cfg.num_warps, **LAUNCH)
     if method == "two_pass":
         _two_pass_kernel[grid](*args, SINGLE_BLOCK=cfg.SINGLE_BLOCK, **consts)
     elif method == "one_pass":

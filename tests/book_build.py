@@ -35,8 +35,8 @@ def toc_files() -> list[str]:
     """Book-relative paths (no suffix) of every page in _toc.yml, in order."""
     toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
     files = [toc["root"]]
-    for entry in toc.get("chapters", []):
-        files.append(entry["file"])
+    for part in toc.get("parts", [{"chapters": toc.get("chapters", [])}]):
+        files.extend(entry["file"] for entry in part.get("chapters", []))
     return files
 
 
