@@ -1,9 +1,14 @@
 """Strip outputs and execution counts from the chapter notebooks (they are stored clean).
 
+Cell ids are derived from each cell's content (a jupytext round trip would otherwise give every
+cell a fresh random id, and two edits of one chapter would then conflict on every cell). The
+set-up cell keeps the id "setup".
+
 Also sets the notebooks' jupytext options so that a round trip through a percent script
 (`jupytext --to py:percent` ... `jupytext --to ipynb`) keeps cell tags such as "setup" and "hide-input".
 """
 
+import hashlib
 import json
 import pathlib
 
@@ -16,7 +21,16 @@ for path in sorted((ROOT / "book").glob("*.ipynb")):
     nb["metadata"]["language_info"] = {"name": "python"}
     nb["metadata"]["jupytext"] = {"cell_metadata_filter": "tags,-all", "main_language": "python",
                                   "notebook_metadata_filter": "-all"}
+    seen = set()
     for c in nb["cells"]:
+        if c.get("id") != "setup":
+            text = c["cell_type"] + "\n" + "".join(c["source"])
+            digest = hashlib.sha1(text.encode()).hexdigest()
+            i = 0
+            while (cid := digest[i:i + 8]) in seen:  # identical cells: take the next 8 hex digits
+                i += 1
+            c["id"] = cid
+        seen.add(c.get("id"))
         if c["cell_type"] == "code":
             c["outputs"], c["execution_count"] = [], None
         c.get("metadata", {}).pop("execution", None)
