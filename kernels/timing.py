@@ -99,7 +99,9 @@ def copy_bandwidth(nbytes: int = 2**28, timer: Callable[[Callable[[], object]], 
     """The memory-bound speed of light, measured: a device-to-device copy of ``nbytes`` bytes.
 
     A copy reads every byte once and writes it once, so it moves ``2 * nbytes`` bytes and does
-    no arithmetic: no kernel that must read its inputs and write its outputs can beat its GB/s.
+    no arithmetic. A kernel that must read its inputs and write its outputs, in a similar mix of
+    reads and writes, is not expected to beat its GB/s (one with another mix, e.g. two reads per
+    write, can land a little above: see the speed-of-light chapter's pitfalls).
     The source holds random bytes (not zeros) and is larger than any L2 cache for the default
     size. ``timer`` defaults to :func:`time_ms` (GPU only). Returns bytes, ms and GB/s.
     """
