@@ -14,8 +14,9 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-for path in sorted((ROOT / "book").glob("*.ipynb")):
-    nb = json.loads(path.read_text())
+
+def clean(nb: dict) -> dict:
+    """The stored form of a notebook: no outputs, content-derived ids, the book's metadata."""
     # Colab and Jupyter Book pick the kernel from here; a jupytext round trip drops it.
     nb["metadata"]["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
     nb["metadata"]["language_info"] = {"name": "python"}
@@ -34,4 +35,13 @@ for path in sorted((ROOT / "book").glob("*.ipynb")):
         if c["cell_type"] == "code":
             c["outputs"], c["execution_count"] = [], None
         c.get("metadata", {}).pop("execution", None)
-    path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+    return nb
+
+
+def dumps(nb: dict) -> str:
+    return json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
+
+
+if __name__ == "__main__":
+    for path in sorted((ROOT / "book").glob("*.ipynb")):
+        path.write_text(dumps(clean(json.loads(path.read_text()))))
