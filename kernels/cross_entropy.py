@@ -235,7 +235,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, ignore_index: i
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     x2d = _validate.as_rows(logits)
     _check_target(target, x2d, logits.shape[:-1], ignore_index)
-    t = target.reshape(-1)
+    t = target.reshape(-1).contiguous()  # the kernels read target[row] at T + row
     out_shape = target.shape if reduction == "none" else ()
     if torch.is_grad_enabled() and logits.requires_grad:
         return CrossEntropyFunction.apply(x2d, t, ignore_index, reduction, out_shape)
