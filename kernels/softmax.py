@@ -151,7 +151,9 @@ def _backward(dy2d: torch.Tensor, y2d: torch.Tensor) -> torch.Tensor:
     dx = torch.empty((M, N), dtype=y2d.dtype, device=y2d.device)
     if M == 0 or N == 0:
         return dx
-    cfg = row_config(M, N, y2d.element_size())
+    # Two rows (p and dy) live in registers at once: a single block only where both fit in
+    # the forward's budget for one (a half-precision row of 32K spilled on sm_90 otherwise).
+    cfg = row_config(M, N, 2 * y2d.element_size())
     with device_guard(y2d):
         _softmax_bwd[(triton.cdiv(M, cfg.BLOCK_M),)](
             y2d, dy2d, dx, y2d.stride(0), dy2d.stride(0), dx.stride(0), M, N,
