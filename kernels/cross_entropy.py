@@ -173,19 +173,20 @@ class CrossEntropyFunction(torch.autograd.Function):
         return dx, None, None, None, None
 
 
-def _check_target(target, x2d: torch.Tensor, batch_shape, ignore_index: int) -> None:
+def _check_target(target, logits: torch.Tensor, ignore_index: int) -> None:
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target must be a torch.Tensor of class indices, got {type(target).__name__}")
     if target.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"target must hold class indices as int64 (or int32), got {target.dtype}; "
                         "class probabilities are not supported")
-    if tuple(target.shape) != tuple(batch_shape):
-        raise ValueError(f"target must have shape {tuple(batch_shape)} (logits' shape without its "
+    batch_shape = tuple(logits.shape[:-1])
+    if tuple(target.shape) != batch_shape:
+        raise ValueError(f"target must have shape {batch_shape} (logits' shape without its "
                          f"last dimension), got {tuple(target.shape)}")
-    if target.device != x2d.device:
-        raise ValueError(f"target is on {target.device} but logits is on {x2d.device}; "
+    if target.device != logits.device:
+        raise ValueError(f"target is on {target.device} but logits is on {logits.device}; "
                          "put them on one device")
-    V = x2d.shape[1]
+    V = logits.shape[-1]
     # One host sync, so that a bad index is an error and never an out-of-bounds read.
     bad = ((target < 0) | (target >= V)) & (target != ignore_index)
     if target.numel() and bool(bad.any()):
@@ -233,8 +234,8 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, ignore_index: i
     ignore_index = int(ignore_index)
     if not isinstance(reduction, str) or reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    x2d = _validate.as_rows(logits)
-    _check_target(target, x2d, logits.shape[:-1], ignore_index)
+    _check_target(target, logits, ignore_index)
+    x2d = _validate.as_rows(logits)  # after every check: a bad call copies nothing
     t = target.reshape(-1).contiguous()  # the kernels read target[row] at T + row
     out_shape = target.shape if reduction == "none" else ()
     if torch.is_grad_enabled() and logits.requires_grad:
