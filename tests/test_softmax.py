@@ -288,3 +288,18 @@ def test_no_grad_path_saves_nothing(monkeypatch):
 )
 def test_bad_arguments_raise_clear_errors(call, exc, words, monkeypatch):
     assert_rejected_before_launch(monkeypatch, "softmax", call, exc, words)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n", [1000, 40000])
+def test_rounds_to_nearest_once(dtype, n):
+    """p is computed in fp32 and rounded once, to nearest: almost every element equals float64
+    rounded to the dtype (a differing one needs fp32 p within ~1e-6 relative of a halfway point,
+    a fraction ~1e-6/u of elements). Truncation (the interpreter's plain bf16 cast) or an
+    intermediate rounding would leave about half the elements one unit off."""
+    x = randn(4, n, dtype=dtype, scale=3.0)
+    exact = ref.softmax(x).to(dtype)
+    got = softmax(x).cpu()
+    assert (got == exact).double().mean().item() > 0.99
+    ulp = torch.finfo(dtype).eps * exact.double().abs() + 2.0**-24
+    assert bool(((got.double() - exact.double()).abs() <= ulp).all())
