@@ -202,3 +202,56 @@ def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=1e-6):
     r"""Qwen3's attention input path: per-head RMSNorm over head_dim, then RoPE. Returns (q, k)."""
     return (apply_rope(rms_norm(q, q_weight, eps), cos, sin),
             apply_rope(rms_norm(k, k_weight, eps), cos, sin))
+
+
+# ---------------------------------------------------------------- softmax, log-sum-exp, cross-entropy
+
+def logsumexp(z):
+    r"""lse(z) = m + log Σ_k exp(z_k − m),  m = max z  (keepdim, along the last dimension)."""
+    z = _d(z)
+    m = z.max(dim=-1, keepdim=True).values
+    return m + torch.log(torch.exp(z - m).sum(dim=-1, keepdim=True))
+
+
+def log_softmax(z):
+    r"""log p_i = z_i − lse(z)."""
+    z = _d(z)
+    return z - logsumexp(z)
+
+
+def softmax_vjp(z, dy):
+    r"""Row-wise VJP of softmax: dx = p ⊙ (dy − Σ_k p_k dy_k), i.e. (diag(p) − p pᵀ) dy."""
+    p, dy = softmax(z), _d(dy)
+    return p * (dy - (p * dy).sum(dim=-1, keepdim=True))
+
+
+def cross_entropy(logits, target, ignore_index=-100, reduction="mean"):
+    r"""ℓ_r = lse(x_r) − x_{r, t_r} for rows with t_r ≠ ignore_index (0 for the others), reduced
+    by "none", "sum" or "mean" (the sum over the kept rows divided by their number: 0/0 = NaN
+    when every row is ignored). logits (M, V) or (V,), target (M,) or ()."""
+    x = _d(logits)
+    x = x.reshape(-1, x.shape[-1])
+    t = torch.as_tensor(target).reshape(-1).to(torch.int64)
+    keep = t != ignore_index
+    picked = x.gather(1, torch.where(keep, t, 0)[:, None])[:, 0]
+    loss = torch.where(keep, logsumexp(x)[:, 0] - picked, torch.zeros((), dtype=f64))
+    if reduction == "none":
+        return loss.reshape(torch.as_tensor(target).shape)
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / keep.sum().to(f64)
+
+
+def cross_entropy_grad(logits, target, ignore_index=-100, reduction="mean"):
+    r"""∂(reduced loss)/∂x = (softmax(x) − e_t) per kept row (÷ the number of kept rows for
+    "mean"), 0 for ignored rows; for "none" the gradient of the sum of the per-row losses."""
+    x = _d(logits)
+    x = x.reshape(-1, x.shape[-1])
+    t = torch.as_tensor(target).reshape(-1).to(torch.int64)
+    keep = t != ignore_index
+    onehot = torch.zeros_like(x)
+    onehot[keep, t[keep]] = 1.0
+    g = torch.where(keep[:, None], softmax(x) - onehot, torch.zeros((), dtype=f64))
+    if reduction == "mean":
+        g = g / keep.sum().to(f64)
+    return g.reshape(_d(logits).shape)
