@@ -132,15 +132,26 @@ def _attention_fwd(
     tl.store(Tiles + bh.to(tl.int64) * tl.num_programs(0) + tile_m, visited)
 
 
-def tile_config(head_dim: int, dtype: torch.dtype):
-    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps) for a head_dim and dtype.
+def tile_config(head_dim: int, dtype: torch.dtype, capability=None):
+    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps) for a head_dim, dtype and GPU (None: interpreter).
 
-    64 query rows × 64 keys per tile, as the Triton tutorial; fp32 tiles take twice the
-    registers, so they stream 32 keys at a time (kept spill-free: see the chapter's ptxas check).
+    Chosen from ``ptxas -v`` so that no variant spills registers (see the chapter). fp16/bf16 on
+    sm_80+ use tensor cores: 64 queries × 64 keys (32 keys above head_dim 64), 8 warps
+    from head_dim 64 up. fp32 (IEEE, no
+    TF32) and every dtype on sm_75 (where this Triton emits no tensor-core code for these tiles)
+    multiply with FMAs and hold whole tiles per thread: smaller tiles.
     """
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs every dimension >= 16
-    block_n = 32 if dtype == torch.float32 and block_d > 64 else 64
-    return 64, block_n, block_d, 4
+    tensor_cores = dtype != torch.float32 and (capability is None or capability >= (8, 0))
+    if tensor_cores:
+        return 64, 64 if block_d <= 64 else 32, block_d, 4 if block_d <= 32 else 8
+    if block_d > 64:
+        return 16, 16, block_d, 4
+    return 32, 32 if block_d <= 32 else 16, block_d, 4
+
+
+def _capability(t: torch.Tensor):
+    return torch.cuda.get_device_capability(t.device) if t.device.type == "cuda" else None
 
 
 def _check(q, k, v, causal, scale, window):
@@ -206,7 +217,7 @@ def _forward(q, k, v, alignment, scale, window):
     B, H, seq_q, D = q.shape
     H_kv, seq_k = k.shape[1], k.shape[2]
     out = torch.empty((B, H, seq_q, D), dtype=q.dtype, device=q.device)
-    BLOCK_M, BLOCK_N, BLOCK_D, num_warps = tile_config(D, q.dtype)
+    BLOCK_M, BLOCK_N, BLOCK_D, num_warps = tile_config(D, q.dtype, _capability(q))
     grid = (triton.cdiv(seq_q, BLOCK_M), B * H)
     visited = torch.empty(grid[::-1], dtype=torch.int32, device=q.device)
     if out.numel() == 0:
@@ -260,6 +271,6 @@ def tiles_visited(q, k, v, *, causal=False, scale=None, window=None):
     a kernel without skipping would visit. Runs the kernel; the count comes from the kernel."""
     alignment, scale, window = _check(q, k, v, causal, scale, window)
     out, visited = _forward(q, k, v, alignment, scale, window)
-    BLOCK_N = tile_config(q.shape[3], q.dtype)[1]
+    BLOCK_N = tile_config(q.shape[3], q.dtype, _capability(q))[1]
     total = visited.numel() * triton.cdiv(k.shape[2], BLOCK_N)
     return int(visited.sum()), total

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from conftest import LOW_PRECISION, UNIT_ROUNDOFF, assert_rejected_before_launch, randn
 from kernels import DEVICE, attention
 from kernels import reference as ref
-from kernels.attention import tile_config, tiles_visited
+from kernels.attention import _capability, tile_config, tiles_visited
 
 U32 = 2.0**-24
 
@@ -229,7 +229,7 @@ def planned_tiles(seq_q, seq_k, causal, window, BLOCK_M, BLOCK_N):
 def test_masked_tiles_are_skipped(seq_q, seq_k, causal, window):
     q, k, v = qkv(1, 1, 1, seq_q, seq_k, 16, torch.float16)
     visited, total = tiles_visited(q, k, v, causal=causal, window=window)
-    BLOCK_M, BLOCK_N = tile_config(16, torch.float16)[:2]
+    BLOCK_M, BLOCK_N = tile_config(16, torch.float16, _capability(q))[:2]
     assert total == math.ceil(seq_q / BLOCK_M) * math.ceil(seq_k / BLOCK_N)
     assert visited == planned_tiles(seq_q, seq_k, causal, window, BLOCK_M, BLOCK_N)
     if causal and seq_q == seq_k and window is None:
