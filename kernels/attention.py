@@ -146,7 +146,7 @@ def tile_config(head_dim: int, dtype: torch.dtype, capability=None):
     if tensor_cores:
         return 64, 64 if block_d <= 64 else 32, block_d, 4 if block_d <= 32 else 8
     if block_d > 64:
-        return 16, 16, block_d, 4
+        return 16, 16, block_d, 8  # 8 warps: sm_90's 128-register cap would spill with 4
     return 32, 32 if block_d <= 32 else 16, block_d, 4
 
 
