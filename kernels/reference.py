@@ -255,3 +255,64 @@ def cross_entropy_grad(logits, target, ignore_index=-100, reduction="mean"):
     if reduction == "mean":
         g = g / keep.sum().to(f64)
     return g.reshape(_d(logits).shape)
+# ---------------------------------------------------------------- online softmax and attention
+
+def online_softmax_state(z):
+    r"""The online-softmax summary of a row part: (m, ℓ) = (max z, Σ exp(z − m)).
+
+    The empty part is (−∞, 0), the identity of :func:`online_softmax_merge`."""
+    z = _d(z).reshape(-1)
+    if z.numel() == 0:
+        return float("-inf"), 0.0
+    m = z.max().item()
+    if m == float("-inf"):
+        return m, 0.0
+    return m, torch.exp(z - m).sum().item()
+
+
+def online_softmax_merge(a, b):
+    r"""Merge two (m, ℓ) summaries of disjoint parts: m = max(m_a, m_b);
+    ℓ = ℓ_a e^{m_a − m} + ℓ_b e^{m_b − m}. The log-sum-exp of the union is m + log ℓ."""
+    (ma, la), (mb, lb) = a, b
+    m = max(ma, mb)
+    if m == float("-inf"):
+        return m, 0.0  # two empty parts: still empty (and no −∞ − (−∞))
+    return m, la * torch.exp(torch.tensor(ma - m, dtype=f64)).item() \
+        + lb * torch.exp(torch.tensor(mb - m, dtype=f64)).item()
+
+
+def attention_mask(seq_q, seq_k, causal=False, window=None, device=None):
+    r"""Boolean (seq_q, seq_k) mask, True where query i may see key j.
+
+    causal True / "bottom_right": j ≤ i + seq_k − seq_q; "top_left": j ≤ i;
+    window W (with causal): also j > i + offset − W, i.e. at most W keys, the query's own last."""
+    i = torch.arange(seq_q, device=device)[:, None]
+    j = torch.arange(seq_k, device=device)[None, :]
+    keep = torch.ones(seq_q, seq_k, dtype=torch.bool, device=device)
+    if causal:
+        offset = 0 if causal == "top_left" else seq_k - seq_q
+        keep = j <= i + offset
+        if window is not None:
+            keep = keep & (j > i + offset - window)
+    return keep
+
+
+def attention(q, k, v, causal=False, scale=None, window=None):
+    r"""O = softmax(scale · Q Kᵀ + mask) V in float64, for (batch, heads, seq, head_dim) inputs.
+
+    k and v may have fewer heads (grouped-query attention: q head h uses k/v head
+    h // (heads / kv_heads)). The mask adds −∞ where a key is hidden; a row that sees no key
+    (every score −∞) is defined as 0, the empty sum, instead of softmax's 0/0 = NaN."""
+    q, k, v = _d(q), _d(k), _d(v)
+    group = q.shape[-3] // k.shape[-3]
+    k = k.repeat_interleave(group, dim=-3)
+    v = v.repeat_interleave(group, dim=-3)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = scale * (q @ k.transpose(-1, -2))
+    keep = attention_mask(q.shape[-2], k.shape[-2], causal, window, device=s.device)
+    s = s.masked_fill(~keep, float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # fully masked row: shift by 0
+    e = torch.exp(s - m)  # exp(−∞) = 0 at every hidden key
+    l = e.sum(dim=-1, keepdim=True)
+    return (e @ v) / torch.where(l > 0, l, torch.ones_like(l))

@@ -1,0 +1,277 @@
+r"""Scaled dot-product attention, forward, as a FlashAttention-style Triton kernel.
+
+.. math:: O = \mathrm{softmax}\bigl(\text{scale}\cdot Q K^\top + \text{mask}\bigr)\, V
+
+Layout as ``F.scaled_dot_product_attention``: ``(batch, heads, seq, head_dim)``. One program
+owns ``BLOCK_M`` query rows of one head and streams the keys and values past them in tiles of
+``BLOCK_N``, keeping only the online-softmax state per row: the running maximum ``m``, the
+running sum ``l`` of ``exp(s - m)`` and the unnormalized output ``acc`` (all fp32). The
+``seq_q × seq_k`` score matrix never exists in memory, only one ``BLOCK_M × BLOCK_N`` tile of
+it, in registers.
+
+Masks (``causal``, ``window``) are computed from indices, never loaded. Key tiles that are
+masked for every row of a query tile are not visited at all; :func:`tiles_visited` counts the
+tiles each program visits, straight from the kernel.
+
+Conventions (see the chapter "Causal masks"):
+
+* ``causal=True`` is *bottom-right* aligned, as FlashAttention 2.1+ and decoding with a KV cache:
+  query ``i`` sees keys ``j <= i + seq_k - seq_q`` (the last query sees every key).
+  ``causal="top_left"`` is ``F.scaled_dot_product_attention(is_causal=True)``: ``j <= i``.
+  Both agree when ``seq_q == seq_k``.
+* ``window=W`` (with ``causal``), as Mistral: each query also sees at most ``W`` keys, itself
+  and the ``W - 1`` before it.
+* A query row that sees no key at all (fully masked) outputs **0**, not NaN: the sum over no
+  keys is 0, which is what FlashAttention returns and what stops one empty row from poisoning
+  everything downstream of it.
+"""
+
+import numbers
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _validate
+from ._config import LAUNCH
+from ._runtime import INTERPRET, device_guard
+from ._triton_utils import round_to
+
+LOG2E = 1.4426950408889634  # exp(x) = exp2(x · log2 e): the GPU's fast exponential is base 2
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 128
+ALIGNMENTS = {True: "bottom_right", "bottom_right": "bottom_right", "top_left": "top_left"}
+
+
+@triton.jit
+def _attention_fwd(
+    Q, K, V, O, Tiles,              # pointers: inputs, output, per-program count of key tiles visited
+    sqb, sqh, sqm, sqd,             # strides of Q (batch, head, seq, dim), in elements
+    skb, skh, skn, skd,             # strides of K
+    svb, svh, svn, svd,             # strides of V
+    sob, soh, som,                  # strides of O (contiguous in dim)
+    H, GROUP, seq_q, seq_k, D,      # q heads, q heads per k/v head, lengths, head_dim
+    qk_scale, offset, window,       # scale·log2(e); causal diagonal offset; window (keys per query)
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    tile_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)  # int64: batch · stride can pass 2**31
+    h = bh % H
+    h_kv = (h // GROUP).to(tl.int64)  # grouped-query attention: GROUP q heads share a k/v head
+    h = h.to(tl.int64)
+
+    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < seq_q
+    dim_ok = dims < D  # head_dim padded up to a power of two >= 16 (tl.dot's minimum)
+    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqm + dims[None, :] * sqd,
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)  # the interpreter's bf16 dot is broken; fp32 holds bf16 exactly
+    k_base = K + b * skb + h_kv * skh
+    v_base = V + b * svb + h_kv * svh
+
+    # The online-softmax state of each row: max m, sum l of exp(s - m), output acc = Σ exp(s-m) v.
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # Which keys can any row of this tile see? Tiles outside [lo, hi) are masked for every row:
+    # skip them (about half of all tiles for a causal mask, most of them for a short window).
+    lo = 0
+    hi = seq_k
+    if CAUSAL:
+        last_row = tl.minimum(tile_m * BLOCK_M + BLOCK_M, seq_q) - 1
+        hi = tl.maximum(tl.minimum(hi, last_row + offset + 1), 0)
+        if WINDOW:
+            first_row = tile_m * BLOCK_M
+            lo = tl.maximum(first_row + offset - window + 1, 0)
+            lo = (lo // BLOCK_N) * BLOCK_N  # start on a tile boundary
+    visited = 0
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < seq_k
+        kt = tl.load(k_base + cols[None, :] * skn + dims[:, None] * skd,
+                     mask=col_ok[None, :] & dim_ok[:, None], other=0.0)  # K tile, transposed
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        # Scores in base 2: s·log2(e), so that exp2 gives exp(s).
+        s = tl.dot(q, kt, input_precision=DOT_PRECISION, out_dtype=tl.float32) * qk_scale
+        keep = col_ok[None, :] & row_ok[:, None]
+        if CAUSAL:
+            keep = keep & (cols[None, :] <= rows[:, None] + offset)
+            if WINDOW:
+                keep = keep & (cols[None, :] > rows[:, None] + offset - window)
+        s = tl.where(keep, s, float("-inf"))  # where, not +(-inf): a NaN key stays masked
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        # A row with no visible key yet has m_new = -inf; shift by 0 instead, so that
+        # exp2(-inf - (-inf)) = NaN never appears and its p and l stay exactly 0.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_use)  # rescales the old state to the new maximum (0 if m = -inf)
+        p = tl.exp2(s - m_use[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        vt = tl.load(v_base + cols[:, None] * svn + dims[None, :] * svd,
+                     mask=col_ok[:, None] & dim_ok[None, :], other=0.0)
+        # P is rounded to V's dtype for the tensor-core product, as FlashAttention does.
+        p_low = round_to(p, V.dtype.element_ty)
+        if UPCAST:
+            p_low = p_low.to(tl.float32)
+            vt = vt.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p_low, vt, input_precision=DOT_PRECISION,
+                                            out_dtype=tl.float32)
+        m = m_new
+        visited += 1
+
+    # Normalize once at the end. A fully masked row has l = 0 and acc = 0: output 0, not 0/0.
+    out = acc / tl.where(l > 0.0, l, 1.0)[:, None]
+    o_ptr = O + b * sob + h * soh + rows[:, None] * som + dims[None, :]
+    tl.store(o_ptr, round_to(out, O.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    tl.store(Tiles + bh.to(tl.int64) * tl.num_programs(0) + tile_m, visited)
+
+
+def tile_config(head_dim: int, dtype: torch.dtype, capability=None):
+    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps) for a head_dim, dtype and GPU (None: interpreter).
+
+    Chosen so that ``ptxas -v`` reports no register spills on sm_90a, sm_80 and sm_75 (checked
+    with Triton 3.9 for head_dim 16, 64 and 128, causal with window). fp16/bf16 on
+    sm_80+ use tensor cores: 64 queries × 64 keys (32 keys above head_dim 64), 8 warps
+    from head_dim 64 up. fp32 (IEEE, no
+    TF32) and every dtype on sm_75 (where this Triton emits no tensor-core code for these tiles)
+    multiply with FMAs and hold whole tiles per thread: smaller tiles.
+    """
+    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs every dimension >= 16
+    tensor_cores = dtype != torch.float32 and (capability is None or capability >= (8, 0))
+    if tensor_cores:
+        return 64, 64 if block_d <= 64 else 32, block_d, 4 if block_d <= 32 else 8
+    if block_d > 64:
+        return 16, 16, block_d, 8  # 8 warps: sm_90's 128-register cap would spill with 4
+    return 32, 32 if block_d <= 32 else 16, block_d, 4
+
+
+def _capability(t: torch.Tensor):
+    return torch.cuda.get_device_capability(t.device) if t.device.type == "cuda" else None
+
+
+def _check(q, k, v, causal, scale, window):
+    """Every argument check, before any launch; returns (alignment or None, scale, window)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in DTYPES:
+            raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dimensions (batch, heads, seq, head_dim), "
+                             f"got shape {tuple(t.shape)}")
+        _validate.check_device(t, name)
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype, {q.dtype}, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; put them on one device")
+        if t.shape[0] != q.shape[0]:
+            raise ValueError(f"{name} must have q's batch size, {q.shape[0]}, got {t.shape[0]}")
+        if t.shape[3] != q.shape[3]:
+            raise ValueError(f"{name} must have q's head_dim, {q.shape[3]}, got {t.shape[3]}")
+    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+        raise ValueError(f"v must have k's heads and seq_k, {tuple(k.shape[1:3])}, "
+                         f"got {tuple(v.shape[1:3])}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"k and v heads ({k.shape[1]}) must divide q's heads ({q.shape[1]}): "
+                         "grouped-query attention shares each k/v head among a group of q heads")
+    if not 1 <= q.shape[3] <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be between 1 and {MAX_HEAD_DIM}, got {q.shape[3]}")
+    if isinstance(causal, bool):
+        alignment = ALIGNMENTS[True] if causal else None
+    elif isinstance(causal, str) and causal in ALIGNMENTS:
+        alignment = ALIGNMENTS[causal]
+    else:
+        raise ValueError(f"causal must be False, True, 'bottom_right' or 'top_left', got {causal!r}")
+    if scale is None:
+        scale = q.shape[3] ** -0.5
+    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not abs(scale) < float("inf"):
+        raise ValueError(f"scale must be finite, got {scale}")
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, numbers.Integral):
+            raise TypeError(f"window must be an int or None, got {type(window).__name__}")
+        if window < 1:
+            raise ValueError(f"window must be >= 1 (keys each query sees), got {window}")
+        if alignment is None:
+            raise ValueError("window needs causal: a sliding window limits how far back a "
+                             "causal query looks (window=W: itself and the W - 1 keys before)")
+        window = int(window)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise NotImplementedError(
+            "kernels.attention has no backward yet: q, k or v requires grad. Use "
+            "F.scaled_dot_product_attention for training, or call under torch.no_grad() / "
+            "pass detached tensors if no gradient is wanted")
+    return alignment, scale, window
+
+
+def _forward(q, k, v, alignment, scale, window):
+    """Launch on checked inputs; returns (output, visited), visited: key tiles per program."""
+    B, H, seq_q, D = q.shape
+    H_kv, seq_k = k.shape[1], k.shape[2]
+    out = torch.empty((B, H, seq_q, D), dtype=q.dtype, device=q.device)
+    BLOCK_M, BLOCK_N, BLOCK_D, num_warps = tile_config(D, q.dtype, _capability(q))
+    grid = (triton.cdiv(seq_q, BLOCK_M), B * H)
+    visited = torch.empty(grid[::-1], dtype=torch.int32, device=q.device)
+    if out.numel() == 0:
+        return out, visited
+    if seq_k == 0:
+        return out.zero_(), visited.zero_()  # no key at all: every row is fully masked, 0
+    # Bottom-right: the diagonal ends at the last key (offset seq_k - seq_q); top-left: at 0.
+    offset = seq_k - seq_q if alignment == "bottom_right" else 0
+    with device_guard(q):
+        _attention_fwd[grid](
+            q, k, v, out, visited,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride()[:3],
+            H, H // H_kv, seq_q, seq_k, D,
+            scale * LOG2E, offset, window or 0,
+            CAUSAL=alignment is not None, WINDOW=window is not None,
+            UPCAST=INTERPRET, DOT_PRECISION="ieee",  # fp32 inputs: true fp32 products, not TF32
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, num_warps=num_warps, **LAUNCH,
+        )
+    return out, visited
+
+
+def attention(q, k, v, *, causal=False, scale=None, window=None):
+    r"""``softmax(scale · q kᵀ + mask) v``, never holding the ``seq_q × seq_k`` scores in memory.
+
+    Args:
+        q: ``(batch, heads, seq_q, head_dim)``, float32, float16 or bfloat16; any strides.
+        k, v: ``(batch, kv_heads, seq_k, head_dim)``, q's dtype and device; ``kv_heads`` divides
+            ``heads`` (grouped-query attention: q head ``h`` uses k/v head
+            ``h // (heads // kv_heads)``, as SDPA's ``enable_gqa=True``).
+        causal: ``False``; ``True`` or ``"bottom_right"`` (query ``i`` sees keys
+            ``j <= i + seq_k - seq_q``: decoding with a KV cache, FlashAttention 2.1+); or
+            ``"top_left"`` (``j <= i``: SDPA's ``is_causal=True``). Equal when seq_q == seq_k.
+        scale: multiplies the scores; default ``1/sqrt(head_dim)``.
+        window: with ``causal``, each query sees at most ``window`` keys: itself and the
+            ``window - 1`` before it (Mistral's sliding window).
+
+    Returns a tensor of q's shape and dtype. Scores, softmax state and output are accumulated
+    in fp32; the probabilities are rounded to the input dtype before multiplying ``v`` (as
+    FlashAttention does). A query row that sees no key returns zeros.
+
+    Raises:
+        TypeError / ValueError naming the bad argument, before any launch;
+        NotImplementedError if an input requires grad (there is no backward kernel yet).
+    """
+    alignment, scale, window = _check(q, k, v, causal, scale, window)
+    return _forward(q, k, v, alignment, scale, window)[0]
+
+
+def tiles_visited(q, k, v, *, causal=False, scale=None, window=None):
+    """(visited, total): key tiles the kernel visited, summed over its programs, and the tiles
+    a kernel without skipping would visit. Runs the kernel; the count comes from the kernel."""
+    alignment, scale, window = _check(q, k, v, causal, scale, window)
+    out, visited = _forward(q, k, v, alignment, scale, window)
+    BLOCK_N = tile_config(q.shape[3], q.dtype, _capability(q))[1]
+    total = visited.numel() * triton.cdiv(k.shape[2], BLOCK_N)
+    return int(visited.sum()), total
