@@ -57,13 +57,12 @@ CALLS = {
 NO_TENSOR_INPUTS = {"default_dtype", "device_name"}
 
 #: Known gaps: (function, argument) -> why. Strict xfail: remove the entry when it is fixed.
-KNOWN_GAPS = {
-    **{("fused_add_rms_norm", a): "no backward yet (branch rmsnorm-family adds it)"
-       for a in ("x", "residual", "weight")},
-    **{("qk_norm_rope", a): "no backward yet (branch layernorm-qk adds it)"
-       for a in ("q", "k", "q_weight", "k_weight", "cos", "sin")},
-    ("row_variance", "x"): "returns detached statistics; needs a backward or a clear error",
-}
+KNOWN_GAPS: dict[tuple[str, str], str] = {}
+
+#: Keyword variants that take another code path (the RMSNorm conventions), tried for every tensor
+#: argument as well; a keyword the function does not take is skipped.
+CONVENTIONS = [{}, {"casting_mode": "gemma", "offset": 1.0}, {"casting_mode": "none"}]
+VARIANTS = {"rms_norm": CONVENTIONS, "fused_add_rms_norm": CONVENTIONS}
 
 
 def _public_callables():
@@ -83,11 +82,16 @@ def test_every_public_function_is_walked():
 
 def _cases():
     for name in sorted(CALLS):
+        params = inspect.signature(getattr(kernels, name)).parameters
+        variants = [v for v in VARIANTS.get(name, [{}]) if set(v) <= set(params)]
         for arg in CALLS[name]():
-            marks = ()
-            if (name, arg) in KNOWN_GAPS:
-                marks = pytest.mark.xfail(strict=True, reason=KNOWN_GAPS[(name, arg)])
-            yield pytest.param(name, arg, marks=marks, id=f"{name}-{arg}")
+            for extra in variants:
+                marks = ()
+                if (name, arg) in KNOWN_GAPS:
+                    marks = pytest.mark.xfail(strict=True, reason=KNOWN_GAPS[(name, arg)])
+                tag = "-".join(f"{k}={v}" for k, v in extra.items())
+                yield pytest.param(name, arg, extra, marks=marks,
+                                   id=f"{name}-{arg}" + (f"-{tag}" if tag else ""))
 
 
 def _documented_constant(fn, arg: str) -> bool:
@@ -101,10 +105,10 @@ def _float_tensors(out):
     return [t for t in outs if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
-@pytest.mark.parametrize("name, arg", list(_cases()))
-def test_gradient_is_kept_or_refused(name, arg):
+@pytest.mark.parametrize("name, arg, extra", list(_cases()))
+def test_gradient_is_kept_or_refused(name, arg, extra):
     fn = getattr(kernels, name)
-    kwargs = CALLS[name]()
+    kwargs = {**CALLS[name](), **extra}
     kwargs[arg] = kwargs[arg].detach().requires_grad_()
     try:
         out = fn(**kwargs)

@@ -115,8 +115,10 @@ def test_unknown_architecture_is_refused(bad):
         hf.patch(bad())
 
 
-def test_the_kernels_really_run(monkeypatch):
-    """Each kernel is called where it belongs (equality of logits alone would not show it)."""
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_the_kernels_really_run(monkeypatch, grad):
+    """Each kernel is called where it belongs (equality of logits alone would not show it), in
+    training too: every kernel has a backward, so no layer falls back to transformers' code."""
     calls = {"rms_norm": 0, "fused_add_rms_norm": 0, "qk_norm_rope": 0}
     for name in calls:
         real = getattr(hf, name)
@@ -126,8 +128,9 @@ def test_the_kernels_really_run(monkeypatch):
             return _real(*a, **k)
         monkeypatch.setattr(hf, name, counted)
     model = hf.patch(qwen3())
-    with torch.no_grad():
-        model(_ids())
+    with torch.set_grad_enabled(grad):
+        logits = model(_ids()).logits
+    assert (logits.grad_fn is not None) == grad
     # Per layer: input_layernorm (rms_norm), add + post_attention_layernorm (fused), q/k (fused);
     # plus the final norm.
     assert calls == {"rms_norm": LAYERS + 1, "fused_add_rms_norm": LAYERS, "qk_norm_rope": LAYERS}
