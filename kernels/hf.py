@@ -43,6 +43,7 @@ import functools
 import importlib
 import inspect
 import sys
+import types
 
 import torch
 from torch import nn
@@ -64,7 +65,6 @@ _FUSABLE_LAYERS = {"Qwen3DecoderLayer", "LlamaDecoderLayer"}
 # Attention modules with per-head q_norm/k_norm (Qwen3 convention) followed by RoPE.
 _QK_NORM_ATTENTION = {"Qwen3Attention"}
 
-_MARK = "_kernels_hf_patched"  # attribute on each patched forward, so unpatch removes only ours
 
 
 def _is_transformers_class(module: nn.Module, names) -> bool:
@@ -205,16 +205,20 @@ def _qwen3_attention_forward(self, hidden_states, position_embeddings, attention
 
 # ---------------------------------------------------------------- patch / unpatch
 
+_PATCHED_FORWARDS = (_rms_norm_forward, _gemma_rms_norm_forward, _decoder_layer_forward,
+                     _qwen3_attention_forward)  # unpatch removes only these
+
 
 def _set_forward(module: nn.Module, fn) -> None:
-    bound = fn.__get__(module, type(module))
-    # A bound method cannot carry attributes: wrap it in a function that can.
-    def forward(*args, **kwargs):
-        return bound(*args, **kwargs)
-    forward.__wrapped__ = fn
-    forward.__doc__ = fn.__doc__
-    setattr(forward, _MARK, True)
-    module.forward = forward  # an instance attribute: not a parameter, buffer or submodule
+    # A bound method stored as an instance attribute: not a parameter, buffer or submodule, so the
+    # state dict is unchanged; and copy.deepcopy rebinds a bound method to the *copied* module (a
+    # closure over ``module`` would keep running the original's weights).
+    module.forward = types.MethodType(fn, module)
+
+
+def _ours(module: nn.Module) -> bool:
+    forward = module.__dict__.get("forward")
+    return isinstance(forward, types.MethodType) and forward.__func__ in _PATCHED_FORWARDS
 
 
 def _check_model(model) -> str:
@@ -264,11 +268,11 @@ def unpatch(model: nn.Module) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     for module in model.modules():
-        if getattr(module.__dict__.get("forward"), _MARK, False):
+        if _ours(module):
             del module.forward
     return model
 
 
 def is_patched(model: nn.Module) -> bool:
     """Whether any module of ``model`` runs a forward installed by :func:`patch`."""
-    return any(getattr(m.__dict__.get("forward"), _MARK, False) for m in model.modules())
+    return any(_ours(m) for m in model.modules())

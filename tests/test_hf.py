@@ -105,6 +105,19 @@ def test_patch_keeps_weights_and_state_dict_and_unpatch_restores():
     assert all("forward" not in m.__dict__ for m in model.modules())
 
 
+def test_a_deep_copy_is_patched_and_runs_its_own_weights():
+    model = hf.patch(qwen3()).eval()
+    twin = copy.deepcopy(model)
+    assert hf.is_patched(twin)
+    with torch.no_grad():
+        twin.model.norm.weight.mul_(2)  # only the copy's final norm changes
+        ids = _ids()
+        patched_twin = twin(ids).logits
+        assert not torch.equal(patched_twin, model(ids).logits)
+        # ... and the copy's patched forward computes what the copy itself computes unpatched.
+        assert _rel(patched_twin, hf.unpatch(twin)(ids).logits) <= 1e-5
+
+
 @pytest.mark.parametrize("bad", [
     lambda: torch.nn.Linear(4, 4),
     lambda: GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2)),
