@@ -19,7 +19,8 @@ and ``apply_rotary_pos_emb``
 
 Supported: Qwen3 (``Qwen3ForCausalLM``, ``Qwen3Model``), Llama (``LlamaForCausalLM``,
 ``LlamaModel``) and Gemma 3 text models (``Gemma3ForCausalLM``, ``Gemma3TextModel``), as written in
-transformers 5.x; anything else raises a ``TypeError``.
+transformers 5.x (the pinned 5.24.0 is tested) and 4.5x (4.57.1 checked by hand: logits,
+gradients, generation); anything else raises a ``TypeError``.
 
 Where a kernel cannot compute exactly what the module computes, the patched forward runs the
 module's own code for that call instead of a wrong or gradient-less answer:
@@ -128,8 +129,27 @@ def _gemma_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def _pop_cache(cache, kwargs):
-    # transformers renames past_key_values -> cache in a decorator around the original forward.
-    return kwargs.pop("past_key_values", cache)
+    # transformers 5.x calls the KV cache ``cache`` (renaming ``past_key_values`` in a decorator
+    # around the original forward); 4.5x calls it ``past_key_values`` (or ``past_key_value``).
+    for old_name in ("past_key_values", "past_key_value"):
+        if old_name in kwargs:
+            cache = kwargs.pop(old_name)
+    return cache
+
+
+@functools.cache
+def _cache_name(fn) -> str:
+    """The name under which ``fn`` (a transformers forward) takes the KV cache."""
+    params = inspect.signature(fn).parameters
+    return next((n for n in ("cache", "past_key_values", "past_key_value") if n in params), "cache")
+
+
+def _cache_update(cache, key_states, value_states, layer_idx, cos, sin, kwargs):
+    if "kwargs" in inspect.signature(cache.update).parameters:  # transformers 5.x
+        return cache.update(key_states, value_states, layer_idx, kwargs=kwargs)
+    # transformers 4.5x: the cache kwargs are a dict argument.
+    cache_kwargs = {"sin": sin, "cos": cos, "cache_position": kwargs.get("cache_position")}
+    return cache.update(key_states, value_states, layer_idx, cache_kwargs)
 
 
 def _decoder_layer_forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None,
@@ -138,9 +158,13 @@ def _decoder_layer_forward(self, hidden_states, attention_mask=None, position_id
     cache = _pop_cache(cache, kwargs)
     residual = hidden_states
     hidden_states = self.input_layernorm(hidden_states)
-    hidden_states, _ = self.self_attn(
+    attn = self.self_attn
+    # Our own attention forward, or the class's (Llama), under the cache's name for this version.
+    attn_forward = type(attn).forward if "forward" not in attn.__dict__ else _qwen3_attention_forward
+    hidden_states, _ = attn(
         hidden_states=hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-        cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
+        use_cache=use_cache, position_embeddings=position_embeddings,
+        **{_cache_name(attn_forward): cache}, **kwargs,
     )
     norm = self.post_attention_layernorm
     fusable = (
@@ -176,7 +200,7 @@ def _qwen3_attention_forward(self, hidden_states, position_embeddings, attention
     )
     if not fusable:
         return type(self).forward(self, hidden_states, position_embeddings, attention_mask,
-                                  cache=cache, **kwargs)
+                                  **{_cache_name(type(self).forward): cache}, **kwargs)
     module = sys.modules[type(self).__module__]
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
@@ -190,10 +214,13 @@ def _qwen3_attention_forward(self, hidden_states, position_embeddings, attention
                                             _norm_eps(self.q_norm))
     query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1, 2)
     if cache is not None:
-        key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
-    attention_interface = module.ALL_ATTENTION_FUNCTIONS.get_interface(
-        self.config._attn_implementation, module.eager_attention_forward
-    )
+        key_states, value_states = _cache_update(cache, key_states, value_states, self.layer_idx,
+                                                 cos, sin, kwargs)
+    functions, impl = module.ALL_ATTENTION_FUNCTIONS, self.config._attn_implementation
+    if hasattr(functions, "get_interface"):  # transformers 5.x
+        attention_interface = functions.get_interface(impl, module.eager_attention_forward)
+    else:  # 4.5x
+        attention_interface = module.eager_attention_forward if impl == "eager" else functions[impl]
     attn_output, attn_weights = attention_interface(
         self, query_states, key_states, value_states, attention_mask,
         dropout=0.0 if not self.training else self.attention_dropout,
