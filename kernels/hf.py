@@ -77,12 +77,6 @@ def _is_transformers_class(module: nn.Module, names) -> bool:
 
 
 @functools.cache
-def _has_casting_mode() -> bool:
-    """Whether :func:`kernels.rms_norm` takes ``offset`` and ``casting_mode`` (Gemma convention)."""
-    return "casting_mode" in inspect.signature(rms_norm).parameters
-
-
-@functools.cache
 def _differentiable(name: str) -> bool:
     """Probe once, on a tiny input, whether a fused kernel keeps gradients (has a backward)."""
     fn = getattr(importlib.import_module(f"kernels.{name}"), name)  # the kernel module's own
@@ -117,15 +111,9 @@ def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 def _gemma_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     """``Gemma3RMSNorm``: ``(x̂ · (1 + γ))`` in fp32, rounded once to the input dtype."""
-    eps = _norm_eps(self)
-    if _has_casting_mode():
-        if hidden_states.dtype != self.weight.dtype:
-            return type(self).forward(self, hidden_states)
-        return rms_norm(hidden_states, self.weight, eps, offset=1.0, casting_mode="gemma")
-    # Until the kernel has the Gemma convention: the kernel normalizes the fp32 copy (exact, so x̂
-    # is the fp32 value Gemma computes), and (1 + γ) and the single rounding are done here.
-    xhat = rms_norm(hidden_states.float(), None, eps)
-    return (xhat * (1.0 + self.weight.float())).type_as(hidden_states)
+    if hidden_states.dtype != self.weight.dtype:
+        return type(self).forward(self, hidden_states)
+    return rms_norm(hidden_states, self.weight, _norm_eps(self), offset=1.0, casting_mode="gemma")
 
 
 def _pop_cache(cache, kwargs):
