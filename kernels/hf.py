@@ -67,7 +67,6 @@ _FUSABLE_LAYERS = {"Qwen3DecoderLayer", "LlamaDecoderLayer"}
 _QK_NORM_ATTENTION = {"Qwen3Attention"}
 
 
-
 def _is_transformers_class(module: nn.Module, names) -> bool:
     cls = type(module)
     return cls.__name__ in names and cls.__module__.startswith("transformers.models.")
