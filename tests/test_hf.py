@@ -129,7 +129,8 @@ def test_unknown_architecture_is_refused(bad):
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
-def test_the_kernels_really_run(monkeypatch, grad):
+@pytest.mark.parametrize("build", [qwen3, llama, gemma3], ids=["qwen3", "llama", "gemma3"])
+def test_the_kernels_really_run(monkeypatch, build, grad):
     """Each kernel is called where it belongs (equality of logits alone would not show it), in
     training too: every kernel has a backward, so no layer falls back to transformers' code."""
     calls = {"rms_norm": 0, "fused_add_rms_norm": 0, "qk_norm_rope": 0}
@@ -140,13 +141,18 @@ def test_the_kernels_really_run(monkeypatch, grad):
             calls[_name] += 1
             return _real(*a, **k)
         monkeypatch.setattr(hf, name, counted)
-    model = hf.patch(qwen3())
+    model = hf.patch(build())
     with torch.set_grad_enabled(grad):
         logits = model(_ids()).logits
     assert (logits.grad_fn is not None) == grad
-    # Per layer: input_layernorm (rms_norm), add + post_attention_layernorm (fused), q/k (fused);
-    # plus the final norm.
-    assert calls == {"rms_norm": LAYERS + 1, "fused_add_rms_norm": LAYERS, "qk_norm_rope": LAYERS}
+    expected = {
+        # input_layernorm per layer + the final norm; add + post_attention_layernorm fused; q/k.
+        qwen3: {"rms_norm": LAYERS + 1, "fused_add_rms_norm": LAYERS, "qk_norm_rope": LAYERS},
+        llama: {"rms_norm": LAYERS + 1, "fused_add_rms_norm": LAYERS, "qk_norm_rope": 0},
+        # Gemma 3: four sandwich norms and q_norm, k_norm per layer, the final norm; no fusion.
+        gemma3: {"rms_norm": 6 * LAYERS + 1, "fused_add_rms_norm": 0, "qk_norm_rope": 0},
+    }[build]
+    assert calls == expected
 
 
 # ---------------------------------------------------------------- Qwen3 against transformers
