@@ -2,6 +2,11 @@
 
 Triton reads ``TRITON_INTERPRET`` when ``@triton.jit`` decorates a function, so this module
 must be imported before any kernel is defined. ``kernels/__init__.py`` imports it first.
+
+Something else may have imported Triton earlier (``transformers`` does): then Triton's own
+``@jit`` library functions (``tl.sum``, ``tl.max``, ``tl.cdiv``, ...) were already built for
+compiled mode and refuse to run inside an interpreted kernel. :func:`_interpret_triton_library`
+rebuilds them as the interpreter would have built them, so the import order does not matter.
 """
 
 import os
@@ -14,6 +19,58 @@ if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _interpret_triton_library() -> int:
+    """Turn Triton's compiled-mode ``@jit`` library functions into interpreted ones, in place.
+
+    ``@triton.jit`` makes a ``JITFunction`` (compiled mode) or, when ``TRITON_INTERPRET`` is set,
+    an ``InterpretedFunction``. If ``triton.language`` was imported before the variable was set,
+    ``tl.sum`` and its siblings are ``JITFunction`` objects, and calling one from an interpreted
+    kernel raises "Cannot call @triton.jit'd outside of the scope of a kernel". The decorator is
+    the only import-time use of the variable in Triton (3.x: ``runtime/jit.py``; the interpreter
+    patches ``triton.language`` afresh at every launch), so building the ``InterpretedFunction``
+    that the decorator would have returned, and putting it wherever the ``JITFunction`` was (the
+    ``triton.language`` modules, whose globals the interpreted bodies look names up in, and the
+    ``tensor`` methods such as ``x.sum``), gives the state a fresh import would have given.
+    Returns how many were replaced (0 when Triton was imported after the variable was set).
+    """
+    import sys
+
+    if "triton.language" not in sys.modules:
+        return 0  # imported later, with TRITON_INTERPRET already set: nothing was built yet
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    rebuilt: dict[int, InterpretedFunction] = {}  # one replacement per function, shared by every name
+
+    def interpreted(value):
+        # Exactly JITFunction (not a subclass) defined by Triton itself: leave user kernels alone.
+        if type(value) is not JITFunction or not value.fn.__module__.startswith("triton."):
+            return None
+        if id(value) not in rebuilt:
+            rebuilt[id(value)] = InterpretedFunction(value.fn)
+        return rebuilt[id(value)]
+
+    modules = [m for name, m in list(sys.modules.items())
+               if m is not None and (name == "triton.language" or name.startswith("triton.language."))]
+    namespaces = []
+    for module in modules:
+        namespaces.append(module)
+        # Classes of triton.language carry jit functions as methods (tensor.sum = tl.sum).
+        namespaces.extend(v for v in vars(module).values()
+                          if isinstance(v, type) and v.__module__ == module.__name__)
+    for ns in namespaces:
+        for name, value in list(vars(ns).items()):
+            new = interpreted(value)
+            if new is not None:
+                setattr(ns, name, new)
+    return len(rebuilt)
+
+
+if INTERPRET:
+    _interpret_triton_library()
+
 DEVICE = torch.device("cuda" if HAS_CUDA and not INTERPRET else "cpu")
 
 

@@ -80,11 +80,40 @@ def chan_merge(a, b):
 
 # ---------------------------------------------------------------- the normalizations
 
-def rms_norm(x, weight=None, eps=1e-6):
-    r"""y_i = γ_i x_i / sqrt((1/n) Σ_k x_k² + ε)."""
+def rms_norm(x, weight=None, eps=1e-6, offset=0.0):
+    r"""y_i = (offset + γ_i) x_i / sqrt((1/n) Σ_k x_k² + ε)   (offset 1 for Gemma's γ around 0)."""
     x = _d(x)
     y = x / rms(x, eps)
-    return y if weight is None else y * _d(weight)
+    return y if weight is None else y * (offset + _d(weight))
+
+
+def rms_norm_rounded(x, weight=None, eps=1e-6, offset=0.0, casting_mode="llama"):
+    r"""RMSNorm with the roundings of a casting convention written out, in float64.
+
+    Each ``ρ(·)`` rounds to x's storage dtype (``t.to(dtype).double()``); everything else is
+    exact float64, so the result is what the convention computes with perfect statistics:
+
+    - llama:  y = ρ(ρ(x/r) · (offset + γ))
+    - gemma:  y = ρ(x/r · (offset + γ))
+    - none:   s = ρ(mean(ρ(x²))); rstd = ρ(1/sqrt(ρ(s + ε))); y = ρ(ρ(x · rstd) · ρ(offset + γ))
+    """
+    dtype = torch.as_tensor(x).dtype
+
+    def rho(t):
+        return t.to(dtype).to(f64)
+
+    x = _d(x)
+    w = None if weight is None else offset + _d(weight)
+    if casting_mode == "none":
+        s = rho(rho(x * x).mean(dim=-1, keepdim=True))
+        y = rho(x * rho(1.0 / torch.sqrt(rho(s + eps))))
+        return y if w is None else rho(y * rho(w))
+    y = x / rms(x, eps)
+    if casting_mode == "llama":
+        return rho(y) if w is None else rho(rho(y) * w)
+    if casting_mode == "gemma":
+        return rho(y if w is None else y * w)
+    raise ValueError(f"casting_mode must be 'llama', 'gemma' or 'none', got {casting_mode!r}")
 
 
 def layer_norm(x, weight=None, bias=None, eps=1e-5):
@@ -98,10 +127,10 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5):
     return y
 
 
-def fused_add_rms_norm(x, residual, weight=None, eps=1e-6):
+def fused_add_rms_norm(x, residual, weight=None, eps=1e-6, offset=0.0):
     r"""h = x + residual;  y = rms_norm(h).  Returns (y, h)."""
     h = _d(x) + _d(residual)
-    return rms_norm(h, weight, eps), h
+    return rms_norm(h, weight, eps, offset), h
 
 
 def softmax(z):

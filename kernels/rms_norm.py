@@ -13,7 +13,31 @@ Backward (vector-Jacobian product, per row, with :math:`\hat x = x/r` and :math:
 
 dx is computed row by row like the forward; dγ is reduced over rows deterministically in two
 stages (see :mod:`kernels._reduce`).
+
+Conventions (``casting_mode``, ``offset``; the names are Liger-Kernel's). The scale is
+:math:`\gamma' = \text{offset} + \gamma` (Gemma stores γ around 0 and uses offset 1):
+
+- ``"llama"`` (Llama, Qwen: ``Qwen3RMSNorm``): statistics and x̂ in fp32, x̂ rounded to the input
+  dtype, then multiplied by γ' (formed in fp32, the product rounded once);
+- ``"gemma"`` (``Gemma3RMSNorm``): x̂ · γ' entirely in fp32, one rounding at the end;
+- ``"none"``: every step rounded to the input dtype, as the naive PyTorch code
+  ``x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w`` computes it on a bf16/fp16
+  tensor (x² rounded, so fp16 squares overflow past 256; the mean, ε-sum, rsqrt, x·rstd and the
+  product each rounded). A cautionary mode the book measures; the sum itself is accumulated in
+  fp32, as torch's ``mean`` does.
+
+The backward is the gradient of the formula for every convention, computed in fp32 from the
+saved 1/rms (for ``"none"`` that rstd is the rounded one the forward used).
+
+The reciprocal square root is ``div_rn(1, sqrt_rn(v))``: IEEE square root and division, each
+correctly rounded. ``tl.rsqrt`` would lower to ``rsqrt.approx.f32``, the instruction behind
+torch's CUDA ``rsqrt`` (and so Hugging Face's norms on a GPU), but an approximation whose last
+bits the CPU interpreter cannot reproduce; the correctly rounded pair gives the same bits in
+the interpreter, on every GPU and in float64 references, and costs a few instructions per *row*
+of a memory-bound kernel.
 """
+
+import numbers
 
 import torch
 import triton
@@ -22,17 +46,84 @@ import triton.language as tl
 from . import _validate
 from ._config import LAUNCH, accumulation_dtype, row_config, tl_accumulation_dtype
 from ._reduce import num_partials, sum_partials
+from ._runtime import device_guard
 from ._triton_utils import round_to
+
+# casting_mode -> the MODE constexpr of the kernels
+CASTING_MODES = {"llama": 0, "gemma": 1, "none": 2}
+LLAMA, GEMMA, NONE = 0, 1, 2
+
+
+def check_convention(offset, casting_mode, weight) -> tuple[float, int]:
+    """Validate ``offset`` and ``casting_mode`` (before any launch); returns (offset, MODE)."""
+    if isinstance(offset, bool) or not isinstance(offset, numbers.Real):
+        raise TypeError(f"offset must be a real number, got {type(offset).__name__}")
+    offset = float(offset)
+    if not torch.isfinite(torch.tensor(offset)):
+        raise ValueError(f"offset must be finite, got {offset}")
+    if not isinstance(casting_mode, str) or casting_mode not in CASTING_MODES:
+        raise ValueError(
+            f"casting_mode must be one of {sorted(CASTING_MODES)}, got {casting_mode!r}")
+    if offset != 0.0 and weight is None:
+        raise ValueError(f"offset={offset} scales the weight (offset + weight): pass a weight")
+    return offset, CASTING_MODES[casting_mode]
+
+
+@triton.jit
+def _round_if(x, dtype: tl.constexpr, ROUND: tl.constexpr):
+    """``x`` rounded to ``dtype`` and back when ROUND (arithmetic in the input's precision)."""
+    if ROUND:
+        return round_to(x, dtype).to(x.dtype)
+    else:
+        return x
+
+
+@triton.jit
+def _square(x, DT: tl.constexpr, MODE: tl.constexpr):
+    # "none" rounds each square to the input dtype (where fp16 overflows past 256).
+    return _round_if(x * x, DT, MODE == 2)
+
+
+@triton.jit
+def _rstd(sum_sq, N, eps, row_mask, DT: tl.constexpr, MODE: tl.constexpr):
+    """1 / sqrt(sum_sq / N + eps), IEEE (sqrt_rn, div_rn): the same bits on a GPU and here."""
+    ms = _round_if(sum_sq / N, DT, MODE == 2)
+    # Padding rows of the last tile read as zeros: give them 1, not 1/0, when eps = 0.
+    v = tl.where(row_mask, _round_if(ms + eps, DT, MODE == 2), 1.0)
+    if v.dtype == tl.float64:
+        r = 1.0 / tl.sqrt(v)  # fp64 sqrt and division are IEEE already (sqrt.rn.f64, div.rn.f64)
+    else:
+        r = tl.math.div_rn(tl.full(v.shape, 1.0, v.dtype), tl.sqrt_rn(v))
+    return _round_if(r, DT, MODE == 2)
+
+
+@triton.jit
+def _normalize(x, rstd, w, offset, HAS_WEIGHT: tl.constexpr, DT: tl.constexpr,
+               MODE: tl.constexpr):
+    """y = x·rstd·(offset + w) with the roundings of ``MODE``, returned in ``DT``."""
+    y = x * rstd[:, None]
+    if MODE != 1:
+        # llama/none: round the normalized value to the input dtype before the scale.
+        y = round_to(y, DT).to(x.dtype)
+    if HAS_WEIGHT:
+        # γ' formed in fp32; the product formed in fp32 and rounded once below: exactly a
+        # correctly rounded half-precision multiply for llama (and no reliance on the
+        # interpreter's broken bf16 arithmetic). gemma keeps the fp32 product.
+        scale = _round_if(offset + w, DT, MODE == 2)
+        y = y * scale[None, :]
+    return round_to(y, DT)
 
 
 @triton.jit
 def _rms_norm_fwd(
     X, Y, W, Rstd,              # pointers: input, output, weight, per-row 1/rms (fp32)
     stride_x, stride_y,         # distance between rows, in elements
-    M, N, eps,                  # rows, row length, epsilon
+    M, N, eps, offset,          # rows, row length, epsilon, γ' = offset + γ
     HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr,  # ACC: accumulation dtype, fp32 (fp64 for fp64 input)
+    MODE: tl.constexpr,         # casting mode: 0 llama, 1 gemma, 2 none
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
 ):
+    DT: tl.constexpr = Y.dtype.element_ty
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     rows = rows.to(tl.int64)  # rows * stride can pass 2**31 on a large tensor
@@ -44,7 +135,7 @@ def _rms_norm_fwd(
         cols = tl.arange(0, BLOCK_N)
         mask = row_mask[:, None] & (cols < N)[None, :]
         x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(ACC)
-        ms = tl.sum(x * x, axis=1) / N  # fp32: fp16 squares overflow past 256
+        sum_sq = tl.sum(_square(x, DT, MODE), axis=1)  # fp32: fp16 squares overflow past 256
     else:
         # Wider than a block: accumulate the sum of squares block by block, in fp32.
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
@@ -52,10 +143,9 @@ def _rms_norm_fwd(
             cols = off + tl.arange(0, BLOCK_N)
             mask = row_mask[:, None] & (cols < N)[None, :]
             x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(ACC)
-            acc += x * x
-        ms = tl.sum(acc, axis=1) / N
-    # Padding rows of the last tile read as zeros: give them 1, not 1/0, when eps = 0.
-    rstd = 1.0 / tl.sqrt(tl.where(row_mask, ms + eps, 1.0))
+            acc += _square(x, DT, MODE)
+        sum_sq = tl.sum(acc, axis=1)
+    rstd = _rstd(sum_sq, N, eps, row_mask, DT, MODE)
     tl.store(Rstd + rows, rstd, mask=row_mask)
 
     for off in range(0, N, BLOCK_N):
@@ -64,17 +154,14 @@ def _rms_norm_fwd(
         if not SINGLE_BLOCK:
             # Second read of the row; on a GPU it mostly hits L2.
             x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(ACC)
-        # Hugging Face convention: normalize in fp32, round to the input dtype, then scale.
-        y = round_to(x * rstd[:, None], Y.dtype.element_ty)
+        w = x  # placeholder when there is no weight (never read)
         if HAS_WEIGHT:
-            # The product is formed in fp32 and rounded once: exactly a correctly rounded
-            # half-precision multiply (and it avoids the interpreter's broken bf16 arithmetic).
             w = tl.load(W + cols, mask=cols < N, other=0.0).to(ACC)
-            y = round_to(y.to(ACC) * w[None, :], Y.dtype.element_ty)
+        y = _normalize(x, rstd, w, offset, HAS_WEIGHT, DT, MODE)
         tl.store(y_rows + cols[None, :], y, mask=mask)
 
 
-def _forward(x2d: torch.Tensor, weight, eps: float):
+def _forward(x2d: torch.Tensor, weight, eps: float, offset: float = 0.0, mode: int = LLAMA):
     """Launch the kernel on a (M, N) view; returns (y2d, rstd), rstd of shape (M,) in the accumulation dtype."""
     M, N = x2d.shape
     y = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)
@@ -84,21 +171,22 @@ def _forward(x2d: torch.Tensor, weight, eps: float):
         return y, rstd.fill_(float("nan") if N == 0 else 0.0)
     cfg = row_config(M, N, x2d.element_size())
     w = weight.contiguous() if weight is not None else x2d  # dummy pointer when HAS_WEIGHT is False
-    _rms_norm_fwd[(triton.cdiv(M, cfg.BLOCK_M),)](
-        x2d, y, w, rstd, x2d.stride(0), y.stride(0), M, N, eps,
-        HAS_WEIGHT=weight is not None, ACC=tl_accumulation_dtype(acc),
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, SINGLE_BLOCK=cfg.SINGLE_BLOCK,
-        num_warps=cfg.num_warps, **LAUNCH,
-    )
+    with device_guard(x2d):
+        _rms_norm_fwd[(triton.cdiv(M, cfg.BLOCK_M),)](
+            x2d, y, w, rstd, x2d.stride(0), y.stride(0), M, N, eps, offset,
+            HAS_WEIGHT=weight is not None, ACC=tl_accumulation_dtype(acc), MODE=mode,
+            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, SINGLE_BLOCK=cfg.SINGLE_BLOCK,
+            num_warps=cfg.num_warps, **LAUNCH,
+        )
     return y, rstd
 
 
 @triton.jit
 def _rms_norm_bwd(
-    X, W, Rstd, DY, DX, DW,     # pointers: input, weight, per-row 1/rms, upstream grad, dx, (G, N) dγ partials
-    stride_x, stride_dy, stride_dx,  # distance between rows, in elements
-    M, N, G,                    # rows, row length, programs (= rows of DW)
-    HAS_WEIGHT: tl.constexpr, COMPUTE_DW: tl.constexpr, ACC: tl.constexpr,
+    X, W, Rstd, DY, DH, DX, DW,  # pointers: input, weight, 1/rms, upstream grads of y and of x itself, dx, (G, N) dγ partials
+    stride_x, stride_dy, stride_dh, stride_dx,  # distance between rows, in elements
+    M, N, G, offset,            # rows, row length, programs (= rows of DW), γ' = offset + γ
+    HAS_WEIGHT: tl.constexpr, HAS_DH: tl.constexpr, COMPUTE_DW: tl.constexpr, ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -109,7 +197,7 @@ def _rms_norm_bwd(
         col_mask = cols < N
         if HAS_WEIGHT:
             # γ is the same for every row: load it once per program.
-            w = tl.load(W + cols, mask=col_mask, other=0.0).to(ACC)
+            w = offset + tl.load(W + cols, mask=col_mask, other=0.0).to(ACC)
         # dγ for this program's rows stays in registers until the end.
         dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
         # Row tiles pid, pid + G, ...: a fixed assignment, so the dγ partial sums are reproducible.
@@ -129,6 +217,9 @@ def _rms_norm_bwd(
             # The rank-one part of the Jacobian needs one dot product per row: c = mean(x̂ ⊙ g).
             c = tl.sum(xhat * g, axis=1) / N
             dx = (g - xhat * c[:, None]) * rstd[:, None]
+            if HAS_DH:
+                # fused_add_rms_norm: the gradient reaching h = x + r directly adds to the norm's.
+                dx += tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(ACC)
             tl.store(DX + rows[:, None] * stride_dx + cols[None, :], round_to(dx, DX.dtype.element_ty), mask=mask)
             if COMPUTE_DW:
                 dw_acc += dy * xhat  # masked rows and columns load as 0 and add nothing
@@ -150,7 +241,7 @@ def _rms_norm_bwd(
                 x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)
                 dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(ACC)
                 if HAS_WEIGHT:
-                    dy = dy * tl.load(W + cols, mask=cols < N, other=0.0).to(ACC)[None, :]
+                    dy = dy * (offset + tl.load(W + cols, mask=cols < N, other=0.0).to(ACC))[None, :]
                 acc += x * rstd[:, None] * dy
             c = tl.sum(acc, axis=1) / N
             # The previous row's partial-sum stores may come from other threads of this program:
@@ -165,10 +256,12 @@ def _rms_norm_bwd(
                 dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(ACC)
                 xhat = x * rstd[:, None]
                 if HAS_WEIGHT:
-                    g = dy * tl.load(W + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
+                    g = dy * (offset + tl.load(W + cols, mask=col_mask, other=0.0).to(ACC))[None, :]
                 else:
                     g = dy
                 dx = (g - xhat * c[:, None]) * rstd[:, None]
+                if HAS_DH:
+                    dx += tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(ACC)
                 tl.store(DX + rows[:, None] * stride_dx + cols[None, :], round_to(dx, DX.dtype.element_ty), mask=mask)
                 if COMPUTE_DW:
                     # Only this program touches its row of DW, so load-add-store is race-free and ordered.
@@ -176,8 +269,12 @@ def _rms_norm_bwd(
                     tl.store(dw_row + cols, part + tl.sum(dy * xhat, axis=0), mask=col_mask)
 
 
-def _backward(dy2d: torch.Tensor, x2d: torch.Tensor, weight, rstd: torch.Tensor, compute_dw: bool):
-    """dx (shape of x2d, x's dtype) and dγ (weight's dtype, or None) from the saved forward state."""
+def _backward(dy2d: torch.Tensor, x2d: torch.Tensor, weight, rstd: torch.Tensor, compute_dw: bool,
+              offset: float = 0.0, dh2d: torch.Tensor | None = None):
+    """dx (shape of x2d, x's dtype) and dγ (weight's dtype, or None) from the saved forward state.
+
+    ``dh2d``, when given, is a gradient that reaches the normalized tensor directly (the ``h``
+    output of :func:`kernels.fused_add_rms_norm`): it is added to dx in the same pass."""
     M, N = x2d.shape
     dx = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)
     compute_dw = compute_dw and weight is not None
@@ -189,14 +286,16 @@ def _backward(dy2d: torch.Tensor, x2d: torch.Tensor, weight, rstd: torch.Tensor,
     # Partial sums of dγ, one row per program; zeros because the wide-row path accumulates into them.
     partial = torch.zeros((G if compute_dw else 1, N), dtype=rstd.dtype, device=x2d.device)
     w = weight.contiguous() if weight is not None else x2d  # dummy pointer when HAS_WEIGHT is False
-    _rms_norm_bwd[(G,)](
-        x2d, w, rstd, dy2d, dx, partial,
-        x2d.stride(0), dy2d.stride(0), dx.stride(0), M, N, G,
-        HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw,
-        ACC=tl_accumulation_dtype(rstd.dtype),
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, SINGLE_BLOCK=cfg.SINGLE_BLOCK,
-        num_warps=cfg.num_warps, **LAUNCH,
-    )
+    dh = dh2d if dh2d is not None else dy2d  # dummy pointer when HAS_DH is False
+    with device_guard(x2d):
+        _rms_norm_bwd[(G,)](
+            x2d, w, rstd, dy2d, dh, dx, partial,
+            x2d.stride(0), dy2d.stride(0), dh.stride(0), dx.stride(0), M, N, G, offset,
+            HAS_WEIGHT=weight is not None, HAS_DH=dh2d is not None, COMPUTE_DW=compute_dw,
+            ACC=tl_accumulation_dtype(rstd.dtype),
+            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, SINGLE_BLOCK=cfg.SINGLE_BLOCK,
+            num_warps=cfg.num_warps, **LAUNCH,
+        )
     dw = sum_partials(partial, weight.dtype) if compute_dw else None
     return dx, dw
 
@@ -205,14 +304,15 @@ class RMSNormFunction(torch.autograd.Function):
     """``rms_norm`` with its Triton backward: gradients with respect to x and weight."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps):
+    def forward(ctx, x, weight, eps, offset, mode):
         ctx.x_shape = x.shape
+        ctx.offset = offset
         if x.numel() == 0:
             # Nothing to normalize; the gradients are empty (dx) and zero (dγ, an empty sum).
             ctx.save_for_backward(None, weight, None)
             return torch.empty_like(x, memory_format=torch.contiguous_format)
         x2d = _validate.as_rows(x)
-        y2d, rstd = _forward(x2d, weight, eps)
+        y2d, rstd = _forward(x2d, weight, eps, offset, mode)
         ctx.save_for_backward(x2d, weight, rstd)
         return y2d.view(x.shape)
 
@@ -222,18 +322,21 @@ class RMSNormFunction(torch.autograd.Function):
         x2d, weight, rstd = ctx.saved_tensors
         if x2d is None:
             dw = torch.zeros_like(weight) if weight is not None and ctx.needs_input_grad[1] else None
-            return torch.zeros_like(dy), dw, None
-        dx, dw = _backward(_validate.as_rows(dy), x2d, weight, rstd, ctx.needs_input_grad[1])
-        return dx.view(ctx.x_shape), dw, None
+            return torch.zeros_like(dy), dw, None, None, None
+        dx, dw = _backward(_validate.as_rows(dy), x2d, weight, rstd, ctx.needs_input_grad[1],
+                           ctx.offset)
+        return dx.view(ctx.x_shape), dw, None, None, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
-    r"""RMSNorm over the last dimension of ``x``: ``y = x / sqrt(mean(x**2) + eps) * weight``.
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, *,
+             offset: float = 0.0, casting_mode: str = "llama") -> torch.Tensor:
+    r"""RMSNorm over the last dimension of ``x``: ``y = x / sqrt(mean(x**2) + eps) * (offset + weight)``.
 
-    Follows the Hugging Face Qwen3/Llama convention: statistics and normalization in fp32, the
-    normalized value rounded to ``x``'s dtype, then multiplied by ``weight``. With ``weight`` in
-    ``x``'s dtype the result equals ``Qwen3RMSNorm`` bit for bit up to the fp32 sum's order; the
-    output always has ``x``'s dtype and shape.
+    The default follows the Hugging Face Qwen3/Llama convention: statistics and normalization in
+    fp32, the normalized value rounded to ``x``'s dtype, then multiplied by ``weight``. With
+    ``weight`` in ``x``'s dtype the result equals ``Qwen3RMSNorm`` bit for bit up to the fp32
+    sum's order; the output always has ``x``'s dtype and shape. ``casting_mode="gemma",
+    offset=1.0`` is ``Gemma3RMSNorm``; see the module docstring for the three conventions.
 
     Args:
         x: float32, float16 or bfloat16 tensor of any shape ``(..., N)`` (float64 is accepted and
@@ -241,6 +344,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
             (last dimension contiguous); other layouts are copied once.
         weight: ``None`` or a float tensor of shape ``(N,)`` on ``x``'s device.
         eps: finite, >= 0, added to the mean square inside the square root.
+        offset: finite real; the scale is ``offset + weight`` (Gemma: 1.0). Needs a weight.
+        casting_mode: ``"llama"`` (default), ``"gemma"`` or ``"none"``.
 
     Differentiable with respect to ``x`` and ``weight`` (Triton backward kernels, see
     :class:`RMSNormFunction`); without ``requires_grad`` nothing is saved for a backward pass.
@@ -252,10 +357,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     n = x.shape[-1]
     _validate.check_param(weight, "weight", n, x)
     eps = _validate.check_eps(eps)
+    offset, mode = check_convention(offset, casting_mode, weight)
     if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
-        return RMSNormFunction.apply(x, weight, eps)
+        return RMSNormFunction.apply(x, weight, eps, offset, mode)
     # No gradient wanted: launch the forward directly and save nothing.
     if x.numel() == 0:
         return torch.empty_like(x, memory_format=torch.contiguous_format)
-    y, _ = _forward(_validate.as_rows(x), weight, eps)
+    y, _ = _forward(_validate.as_rows(x), weight, eps, offset, mode)
     return y.view(x.shape)

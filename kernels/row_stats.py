@@ -26,6 +26,7 @@ import triton.language as tl
 
 from . import _validate
 from ._config import LAUNCH, accumulation_dtype, row_config
+from ._runtime import device_guard
 from ._triton_utils import chan_combine, round_to
 
 METHODS = ("two_pass", "one_pass", "welford")
@@ -195,12 +196,13 @@ def _forward(x2d: torch.Tensor, method: str, acc_dtype: torch.dtype):
     args = (x2d, mean, var, x2d.stride(0), M, N)
     consts = dict(ACC=_TL[acc], LOW=_TL[acc_dtype], BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
                   LOG_BLOCK_N=cfg.BLOCK_N.bit_length() - 1, num_warps=cfg.num_warps, **LAUNCH)
-    if method == "two_pass":
-        _two_pass_kernel[grid](*args, SINGLE_BLOCK=cfg.SINGLE_BLOCK, **consts)
-    elif method == "one_pass":
-        _one_pass_kernel[grid](*args, SINGLE_BLOCK=cfg.SINGLE_BLOCK, **consts)
-    else:
-        _welford_kernel[grid](*args, **consts)
+    with device_guard(x2d):
+        if method == "two_pass":
+            _two_pass_kernel[grid](*args, SINGLE_BLOCK=cfg.SINGLE_BLOCK, **consts)
+        elif method == "one_pass":
+            _one_pass_kernel[grid](*args, SINGLE_BLOCK=cfg.SINGLE_BLOCK, **consts)
+        else:
+            _welford_kernel[grid](*args, **consts)
     return mean, var
 
 
@@ -244,10 +246,21 @@ def row_variance(x: torch.Tensor, method: str = "welford", acc_dtype: torch.dtyp
         arithmetic). With a low ``acc_dtype`` the values are exactly representable in it. An
         empty row (n = 0) gives NaN for both.
 
+    Not differentiable, on purpose: a ``ValueError`` is raised when ``x`` requires grad (with
+    grad mode on), rather than returning statistics cut off from the graph. The function shows
+    how the statistics are accumulated (and how an emulated low-precision accumulator fails);
+    the gradient of an emulated rounding is not a quantity anyone should train with, and the
+    layers that need these statistics differentiate through them in their own backward
+    (:func:`kernels.layer_norm`). Pass ``x.detach()``, or use ``torch.var_mean`` to differentiate.
+
     Raises:
         TypeError / ValueError naming the bad argument, before any kernel is launched.
     """
     _validate.check_input(x, "x")
+    if torch.is_grad_enabled() and x.requires_grad:
+        raise ValueError("x requires grad, but row_variance is not differentiable (it demonstrates "
+                         "accumulation methods); pass x.detach(), or use torch.var_mean(x, dim=-1, "
+                         "correction=0) to differentiate the statistics")
     method = _check_method(method)
     acc_dtype = _check_acc_dtype(acc_dtype, x)
     lead = x.shape[:-1]

@@ -321,3 +321,17 @@ def test_property_every_method_within_its_bound(m, n, log_offset, log_scale, see
 )
 def test_bad_arguments_raise_clear_errors(call, exc, words, monkeypatch):
     assert_rejected_before_launch(monkeypatch, "row_stats", call, exc, words)
+
+
+def test_input_that_requires_grad_is_refused_not_detached(monkeypatch):
+    """row_variance has no backward (by design, see its docstring): with grad mode on, an input
+    that requires grad gets a clear error before any launch, never statistics without a grad_fn."""
+    x = randn(3, 16).requires_grad_()
+    assert_rejected_before_launch(monkeypatch, "row_stats", lambda: row_variance(x), ValueError,
+                                  "x requires grad, but row_variance is not differentiable")
+    monkeypatch.undo()
+    with torch.no_grad():
+        mean, var = row_variance(x)
+    torch.testing.assert_close(var, x.detach().var(-1, correction=0), rtol=1e-5, atol=1e-6)
+    mean, var = row_variance(x.detach())
+    assert mean.grad_fn is None and not x.detach().requires_grad

@@ -1,0 +1,6 @@
+"""python -m kernels.bench"""
+
+from .runner import main
+
+if __name__ == "__main__":
+    main()

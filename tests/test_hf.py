@@ -1,0 +1,262 @@
+"""kernels.hf.patch: a Hugging Face model on this package's kernels computes what it computed before.
+
+Tiny models built from a config (2 layers, hidden 64, vocab 64; random weights, nothing
+downloaded), on kernels.DEVICE. The unpatched model *is* the reference: transformers 5.x's own
+Qwen3/Llama/Gemma 3 code. The norm weights are drawn away from their initial 1 (Gemma: 0) so that a
+dropped or misapplied γ changes the result.
+
+Tolerances (fp32, unit roundoff u = 2**-24 ≈ 6e-8):
+
+* Logits. The kernels perform transformers' roundings in transformers' order; what can differ is
+  the fp32 statistic 1/rms (sum order, 1/sqrt vs rsqrt): a few u, relatively, on each norm's
+  output. There are 2L + 1 = 5 hidden norms and 2L = 4 q/k norms; at initialization each block is
+  a near-identity map of the residual stream with O(1) Jacobian, so the perturbations add:
+  about 9 · 3u · O(1) ≈ 2e-6 relative to the largest logit. We require 1e-5 (measured: ~4e-7).
+  A wrong γ, eps or convention moves logits by 1e-2 or more.
+* Gradients. The backward kernels sum in another order than autograd (dγ in two deterministic
+  stages, one dot product per row): a few u per reduction, through 2L layers, relative to each
+  parameter's gradient norm: we require 1e-5 (measured: ~1e-6). A dropped gradient path is O(1).
+* bf16 (u = 2**-8). Same roundings, so the logits are usually bit-identical; a last-bit
+  difference of an fp32 statistic can flip one bf16 rounding, which is then an error of the same
+  size as the ones transformers itself makes. So we require the patched model to be as accurate
+  as transformers against the float64 model, within a factor of 2 (measured: identical).
+* AdamW. Adam's step m̂/(√v̂ + ε) does not depend on the scale of the gradient, so a relative
+  gradient difference δ ≲ 1e-6 moves each step by about δ·lr per parameter, and the losses drift
+  apart by roughly k·δ relative after k steps, more where a gradient entry is near 0 and Adam
+  amplifies its relative error. We require 1e-4 after 5 steps (measured: ~6e-6); freezing a
+  single norm's γ (its gradient dropped) changes the fifth loss by ~1e-3 or more.
+* Greedy generation: 20 tokens identical. Logits that differ by ~1e-7 can only change an argmax
+  whose top two logits are that close: with 64 logits spread over ~0.5, a chance of about
+  20 · 1e-7 / 1e-2 ≈ 2e-4 per run.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels import DEVICE
+
+transformers = pytest.importorskip("transformers")
+hf = pytest.importorskip("kernels.hf")
+from transformers import (  # noqa: E402
+    Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+    Qwen3Config, Qwen3ForCausalLM, Qwen3Model,
+)
+
+VOCAB, HIDDEN, LAYERS = 64, 64, 2
+SMALL = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+
+
+def _randomize_norms(model, center: float):
+    """Norm weights around ``center`` (1 for γ, 0 for Gemma's offset form), not exactly it."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(center + 0.2 * torch.randn_like(p))
+    return model
+
+
+def qwen3(cls=Qwen3ForCausalLM):
+    return _randomize_norms(cls(Qwen3Config(**SMALL)), 1.0).to(DEVICE)
+
+
+def llama():
+    cfg = LlamaConfig(**SMALL)
+    return _randomize_norms(LlamaForCausalLM(cfg), 1.0).to(DEVICE)
+
+
+def gemma3():
+    cfg = Gemma3TextConfig(**SMALL, query_pre_attn_scalar=16, sliding_window=4,
+                           layer_types=["sliding_attention", "full_attention"])
+    return _randomize_norms(Gemma3ForCausalLM(cfg), 0.0).to(DEVICE)
+
+
+def _ids(batch=2, seq=8):
+    return torch.randint(0, VOCAB, (batch, seq), device=DEVICE)
+
+
+def _loss(model, ids, labels):
+    return F.cross_entropy(model(ids).logits.flatten(0, 1).float(), labels.flatten())
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+# ---------------------------------------------------------------- patching itself
+
+
+def test_patch_keeps_weights_and_state_dict_and_unpatch_restores():
+    model = qwen3()
+    before = {k: (v.data_ptr(), v.clone()) for k, v in model.state_dict().items()}
+    modules = dict(model.named_modules())
+    assert hf.patch(model) is model and hf.is_patched(model)
+    hf.patch(model)  # twice is the same as once
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    for k, (ptr, value) in before.items():
+        assert after[k].data_ptr() == ptr and torch.equal(after[k], value), k
+    assert dict(model.named_modules()).keys() == modules.keys()
+    assert hf.unpatch(model) is model and not hf.is_patched(model)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_a_deep_copy_is_patched_and_runs_its_own_weights():
+    model = hf.patch(qwen3()).eval()
+    twin = copy.deepcopy(model)
+    assert hf.is_patched(twin)
+    with torch.no_grad():
+        twin.model.norm.weight.mul_(2)  # only the copy's final norm changes
+        ids = _ids()
+        patched_twin = twin(ids).logits
+        assert not torch.equal(patched_twin, model(ids).logits)
+        # ... and the copy's patched forward computes what the copy itself computes unpatched.
+        assert _rel(patched_twin, hf.unpatch(twin)(ids).logits) <= 1e-5
+
+
+@pytest.mark.parametrize("bad", [
+    lambda: torch.nn.Linear(4, 4),
+    lambda: GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2)),
+    lambda: "Qwen3ForCausalLM",
+], ids=["nn.Linear", "GPT-2", "a string"])
+def test_unknown_architecture_is_refused(bad):
+    with pytest.raises(TypeError, match="model"):
+        hf.patch(bad())
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("build", [qwen3, llama, gemma3], ids=["qwen3", "llama", "gemma3"])
+def test_the_kernels_really_run(monkeypatch, build, grad):
+    """Each kernel is called where it belongs (equality of logits alone would not show it), in
+    training too: every kernel has a backward, so no layer falls back to transformers' code."""
+    calls = {"rms_norm": 0, "fused_add_rms_norm": 0, "qk_norm_rope": 0}
+    for name in calls:
+        real = getattr(hf, name)
+
+        def counted(*a, _real=real, _name=name, **k):
+            calls[_name] += 1
+            return _real(*a, **k)
+        monkeypatch.setattr(hf, name, counted)
+    model = hf.patch(build())
+    with torch.set_grad_enabled(grad):
+        logits = model(_ids()).logits
+    assert (logits.grad_fn is not None) == grad
+    expected = {
+        # input_layernorm per layer + the final norm; add + post_attention_layernorm fused; q/k.
+        qwen3: {"rms_norm": LAYERS + 1, "fused_add_rms_norm": LAYERS, "qk_norm_rope": LAYERS},
+        llama: {"rms_norm": LAYERS + 1, "fused_add_rms_norm": LAYERS, "qk_norm_rope": 0},
+        # Gemma 3: four sandwich norms and q_norm, k_norm per layer, the final norm; no fusion.
+        gemma3: {"rms_norm": 6 * LAYERS + 1, "fused_add_rms_norm": 0, "qk_norm_rope": 0},
+    }[build]
+    assert calls == expected
+
+
+# ---------------------------------------------------------------- Qwen3 against transformers
+
+
+@pytest.mark.parametrize("cls", [Qwen3ForCausalLM, Qwen3Model])
+def test_qwen3_fp32_outputs(cls):
+    ref = qwen3(cls).eval()
+    patched = hf.patch(copy.deepcopy(ref))
+    ids = _ids()
+    with torch.no_grad():
+        out = patched(ids)
+        want = ref(ids)
+    key = "logits" if cls is Qwen3ForCausalLM else "last_hidden_state"
+    assert _rel(out[key], want[key]) <= 1e-5
+
+
+@pytest.mark.parametrize("build", [qwen3, llama, gemma3], ids=["qwen3", "llama", "gemma3"])
+def test_bf16_as_accurate_as_transformers(build):
+    ref = build().eval()
+    ids = _ids()
+    with torch.no_grad():
+        exact = copy.deepcopy(ref).double()(ids).logits
+        ref16 = ref.to(torch.bfloat16)
+        got = hf.patch(copy.deepcopy(ref16))(ids).logits
+        want = ref16(ids).logits
+    err_hf = (want.double() - exact).abs().max().item()
+    err_kernels = (got.double() - exact).abs().max().item()
+    assert err_kernels <= 2 * err_hf, (err_kernels, err_hf)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gemma_convention_matches_gemma3_rms_norm(dtype):
+    """The patched Gemma3RMSNorm against the module itself: x̂·(1 + γ) in fp32, one rounding.
+    Both compute the same fp32 value up to the last bit of 1/rms (sum order, rsqrt), so after the
+    single rounding to a half-precision dtype nearly every element is identical (>= 99%) and the
+    rest one ulp apart; in fp32 the difference is that last bit: relative 4u = 2**-22."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    norm = Gemma3RMSNorm(HIDDEN, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(0.2 * torch.randn(HIDDEN))
+    norm = norm.to(DEVICE, dtype)
+    x = (3 * torch.randn(5, 7, HIDDEN)).to(DEVICE, dtype)
+    with torch.no_grad():
+        want = norm(x)
+        hf._set_forward(norm, hf._gemma_rms_norm_forward)
+        got = norm(x)
+    assert got.dtype == want.dtype == dtype
+    if dtype == torch.float32:
+        assert _rel(got, want) <= 2.0**-22
+    else:
+        assert float((got == want).double().mean()) >= 0.99
+        ulp = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}[dtype]
+        assert bool(((got.double() - want.double()).abs() <= ulp * want.double().abs()).all())
+
+
+@pytest.mark.parametrize("build", [llama, gemma3], ids=["llama", "gemma3"])
+def test_llama_and_gemma3_fp32_logits(build):
+    ref = build().eval()
+    patched = hf.patch(copy.deepcopy(ref))
+    ids = _ids()
+    with torch.no_grad():
+        assert _rel(patched(ids).logits, ref(ids).logits) <= 1e-5
+
+
+def test_qwen3_gradients_of_every_parameter():
+    ref = qwen3()
+    patched = hf.patch(copy.deepcopy(ref))
+    ids, labels = _ids(), _ids()
+    _loss(ref, ids, labels).backward()
+    _loss(patched, ids, labels).backward()
+    for (name, p), q in zip(patched.named_parameters(), ref.parameters()):
+        assert p.grad is not None, f"{name}: no gradient through the patched model"
+        rel = ((p.grad - q.grad).norm() / q.grad.norm()).item()
+        assert rel <= 1e-5, f"{name}: relative gradient difference {rel:.3g}"
+
+
+def test_qwen3_greedy_generation_identical():
+    ref = qwen3().eval()
+    patched = hf.patch(copy.deepcopy(ref))
+    prompt = _ids(batch=1, seq=5)
+    kw = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = ref.generate(prompt, **kw)
+        got = patched.generate(prompt, **kw)
+    assert want.shape[1] == 25
+    assert torch.equal(got, want)
+
+
+def test_qwen3_adamw_losses_match():
+    ref = qwen3()
+    patched = hf.patch(copy.deepcopy(ref))
+    ids, labels = _ids(batch=1), _ids(batch=1)
+    losses = {}
+    for name, model in (("transformers", ref), ("kernels", patched)):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses[name] = []
+        for _ in range(5):
+            opt.zero_grad()
+            loss = _loss(model, ids, labels)
+            loss.backward()
+            opt.step()
+            losses[name].append(loss.item())
+    a, b = torch.tensor(losses["kernels"]), torch.tensor(losses["transformers"])
+    assert float(b[-1]) < float(b[0])  # it trains
+    assert float(((a - b).abs() / b).max()) <= 1e-4, losses
