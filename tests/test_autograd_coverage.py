@@ -42,8 +42,9 @@ def _qk_args():
             "k_weight": _randn(8), "cos": cos, "sin": sin}
 
 
-#: name -> a function returning fresh tensor arguments by name (all float, on DEVICE), passed as
-#: keywords. Every tensor argument of the signature appears, so each one is tried.
+#: name -> a function returning fresh tensor arguments by name (on DEVICE), passed as keywords.
+#: Every tensor argument of the signature appears; each float one is tried (an integer argument,
+#: such as cross_entropy's target, cannot require grad).
 CALLS = {
     "rms_norm": lambda: {"x": _randn(3, 8), "weight": _randn(8)},
     "layer_norm": lambda: {"x": _randn(3, 8), "weight": _randn(8), "bias": _randn(8)},
@@ -51,6 +52,11 @@ CALLS = {
                                    "weight": _randn(8)},
     "qk_norm_rope": _qk_args,
     "row_variance": lambda: {"x": _randn(3, 8)},
+    "softmax": lambda: {"x": _randn(3, 8)},
+    "cross_entropy": lambda: {"logits": _randn(3, 8),
+                              "target": torch.tensor([0, 7, 3]).to(DEVICE)},
+    "attention": lambda: {"q": _randn(1, 2, 4, 16), "k": _randn(1, 1, 5, 16),
+                          "v": _randn(1, 1, 5, 16)},
 }
 
 #: Public callables that take no tensor: nothing to differentiate.
@@ -84,7 +90,9 @@ def _cases():
     for name in sorted(CALLS):
         params = inspect.signature(getattr(kernels, name)).parameters
         variants = [v for v in VARIANTS.get(name, [{}]) if set(v) <= set(params)]
-        for arg in CALLS[name]():
+        for arg, value in CALLS[name]().items():
+            if not value.is_floating_point():
+                continue
             for extra in variants:
                 marks = ()
                 if (name, arg) in KNOWN_GAPS:
