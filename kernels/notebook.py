@@ -81,3 +81,99 @@ def glue(name: str, value, display: bool = True) -> None:
             _display(value)
         return
     _glue(name, value, display=display)
+
+
+class InteractiveFigure:
+    """A plotly figure that works in the built book, in Jupyter and in Colab.
+
+    It displays as one HTML output: a ``<div>`` and a script that draws the figure with the page's
+    ``Plotly``. The book serves ``plotly.min.js`` from its own ``_static`` (``_ext/book_pages.py``
+    loads it on pages with such a figure), so the page needs no network. Where no ``Plotly`` is
+    loaded (Jupyter, Colab), the script loads the plotly.js version of the installed plotly package.
+    """
+
+    def __init__(self, fig, height: int = 440):
+        self.fig = fig
+        self.height = height
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        import hashlib
+        import json
+
+        from plotly.offline import get_plotlyjs_version
+
+        spec = self.fig.to_json()
+        div = "fig-" + hashlib.sha1(spec.encode()).hexdigest()[:12]  # stable across builds
+        cdn = f"https://cdn.plot.ly/plotly-{get_plotlyjs_version()}.min.js"
+        html = f"""<div class="book-interactive">
+<div id="{div}" class="plotly-graph-div" style="height:{self.height}px; width:100%;"></div>
+<script type="text/javascript">
+(function () {{
+  var spec = {spec};
+  function draw() {{
+    Plotly.newPlot("{div}", spec.data, spec.layout,
+                   {{responsive: true, displayModeBar: false, scrollZoom: false}});
+  }}
+  if (window.Plotly) {{ draw(); return; }}
+  var s = document.createElement("script");
+  s.src = {json.dumps(cdn)};
+  s.onload = draw;
+  document.head.appendChild(s);
+}})();
+</script>
+</div>"""
+        title = self.fig.layout.title.text or "interactive figure"
+        return {"text/html": html, "text/plain": f"<interactive figure: {title}>"}
+
+
+def interactive_figure(frames, *, slider: str, x_title: str, y_title: str, title: str,
+                       log_x: bool = False, log_y: bool = False, options: str | None = None,
+                       active: int = 0, height: int = 440, hover: str | None = None):
+    """A figure with a slider over precomputed frames (and, optionally, a menu of options).
+
+    ``frames`` is a list of ``(label, traces)``; each trace is a dict with ``x``, ``y``, ``name``
+    and optionally ``option`` (the menu entry it belongs to), ``mode`` (``"lines"``,
+    ``"markers"``, …), ``text`` (per-point hover text) and ``dash``. Every frame has the same
+    traces in the same order: the slider swaps their data, the menu shows one option's traces.
+    The data are whatever the chapter computed; nothing here computes or types numbers.
+    """
+    import plotly.graph_objects as go
+
+    labels = [label for label, _ in frames]
+    first = frames[active][1]
+    opts = list(dict.fromkeys(t.get("option") for t in first if t.get("option") is not None))
+    fig = go.Figure()
+    for t in first:
+        visible = t.get("option") in (None, opts[0] if opts else None)
+        fig.add_trace(go.Scatter(
+            x=list(t["x"]), y=list(t["y"]), name=t["name"], mode=t.get("mode", "lines"),
+            text=t.get("text"), hovertemplate=hover, visible=visible,
+            line={"dash": t.get("dash", "solid")}))
+
+    def column(key, traces):
+        return [list(t[key]) if t.get(key) is not None else None for t in traces]
+
+    steps = [{"label": label, "method": "restyle",
+              "args": [{"x": column("x", traces), "y": column("y", traces),
+                        "text": column("text", traces)}]}
+             for label, traces in frames]
+    layout = dict(
+        title={"text": title, "font": {"size": 15}},
+        template="plotly_white", paper_bgcolor="#ffffff", plot_bgcolor="#ffffff",
+        font={"size": 13, "color": "#222222"}, height=height,
+        margin={"l": 60, "r": 16, "t": 48, "b": 40},
+        xaxis={"title": {"text": x_title}, "type": "log" if log_x else "linear",
+               "exponentformat": "power"},
+        yaxis={"title": {"text": y_title}, "type": "log" if log_y else "linear",
+               "exponentformat": "power"},
+        showlegend=True, legend={"orientation": "h", "y": -0.28, "x": 0},
+        sliders=[{"active": active, "steps": steps, "pad": {"t": 64},
+                  "currentvalue": {"prefix": f"{slider}: "}}])
+    if opts:
+        layout["updatemenus"] = [{
+            "type": "dropdown", "x": 1.0, "xanchor": "right", "y": 1.0, "yanchor": "bottom",
+            "buttons": [{"label": str(o), "method": "restyle",
+                         "args": [{"visible": [t.get("option") in (None, o) for t in first]}]}
+                        for o in opts]}]
+    fig.update_layout(**layout)
+    return InteractiveFigure(fig, height=height)
