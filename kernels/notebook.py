@@ -128,7 +128,7 @@ class InteractiveFigure:
 
 def interactive_figure(frames, *, slider: str, x_title: str, y_title: str, title: str,
                        log_x: bool = False, log_y: bool = False, options: str | None = None,
-                       active: int = 0, height: int = 440, hover: str | None = None):
+                       active: int = 0, height: int = 600, hover: str | None = None):
     """A figure with a slider over precomputed frames (and, optionally, a menu of options).
 
     ``frames`` is a list of ``(label, traces)``; each trace is a dict with ``x``, ``y``, ``name``
@@ -137,6 +137,8 @@ def interactive_figure(frames, *, slider: str, x_title: str, y_title: str, title
     traces in the same order: the slider swaps their data, the menu shows one option's traces.
     The data are whatever the chapter computed; nothing here computes or types numbers.
     """
+    import textwrap
+
     import plotly.graph_objects as go
 
     labels = [label for label, _ in frames]
@@ -147,7 +149,8 @@ def interactive_figure(frames, *, slider: str, x_title: str, y_title: str, title
         visible = t.get("option") in (None, opts[0] if opts else None)
         fig.add_trace(go.Scatter(
             x=list(t["x"]), y=list(t["y"]), name=t["name"], mode=t.get("mode", "lines"),
-            text=t.get("text"), hovertemplate=hover, visible=visible,
+            text=t.get("text"), visible=visible,
+            hovertemplate=hover if t.get("text") is not None else None,
             line={"dash": t.get("dash", "solid")}))
 
     def column(key, traces):
@@ -157,21 +160,31 @@ def interactive_figure(frames, *, slider: str, x_title: str, y_title: str, title
               "args": [{"x": column("x", traces), "y": column("y", traces),
                         "text": column("text", traces)}]}
              for label, traces in frames]
+    # Laid out in pixels so that it reads at 390 px as at 1366 px: the title on the first line,
+    # the menu under it, the plot, and under the x axis the slider, then the legend.
+    top, bottom = 84, 230
+    plot_h = height - top - bottom
     layout = dict(
-        title={"text": title, "font": {"size": 15}},
+        title={"text": "<br>".join(textwrap.wrap(title, 44)), "font": {"size": 14},
+               "x": 0, "xanchor": "left",
+               "y": 1 - 10 / height, "yanchor": "top"},
         template="plotly_white", paper_bgcolor="#ffffff", plot_bgcolor="#ffffff",
         font={"size": 13, "color": "#222222"}, height=height,
-        margin={"l": 60, "r": 16, "t": 48, "b": 40},
+        margin={"l": 64, "r": 16, "t": top, "b": bottom},
         xaxis={"title": {"text": x_title}, "type": "log" if log_x else "linear",
-               "exponentformat": "power"},
+               "exponentformat": "power", "nticks": 7},
         yaxis={"title": {"text": y_title}, "type": "log" if log_y else "linear",
-               "exponentformat": "power"},
-        showlegend=True, legend={"orientation": "h", "y": -0.28, "x": 0},
-        sliders=[{"active": active, "steps": steps, "pad": {"t": 64},
+               "exponentformat": "power", "nticks": 8},
+        showlegend=True,
+        legend={"orientation": "h", "x": 0, "xanchor": "left", "y": -(72 + 92) / plot_h,
+                "yanchor": "top"},
+        sliders=[{"active": active, "steps": steps, "x": 0, "len": 1.0, "y": -72 / plot_h,
+                  "yanchor": "top", "pad": {"t": 0, "b": 0},
                   "currentvalue": {"prefix": f"{slider}: "}}])
     if opts:
         layout["updatemenus"] = [{
-            "type": "dropdown", "x": 1.0, "xanchor": "right", "y": 1.0, "yanchor": "bottom",
+            "type": "dropdown", "x": 1.0, "xanchor": "right", "y": 1 + 6 / plot_h,
+            "yanchor": "bottom", "bgcolor": "#ffffff",
             "buttons": [{"label": str(o), "method": "restyle",
                          "args": [{"visible": [t.get("option") in (None, o) for t in first]}]}
                         for o in opts]}]

@@ -140,3 +140,14 @@ def test_colab_edition_runs_from_outside_the_repository(edition, tmp_path):
     NotebookClient(nb, timeout=600, kernel_name="python3",
                    resources={"metadata": {"path": str(tmp_path)}}).execute()
     assert "Kernels run on" in json.dumps(nb.cells[code[0]].outputs)
+
+
+def test_glue_values_read_both_display_forms(tmp_path):
+    """glue(display=True) stores text/plain; glue(display=False) stores it under a mime prefix."""
+    out = lambda name, prefix, v: {"output_type": "display_data", "data": {prefix + "text/plain": v},  # noqa: E731
+                                   "metadata": {"scrapbook": {"name": name, "mime_prefix": prefix}}}
+    nb = {"cells": [{"cell_type": "code", "source": "", "outputs": [
+        out("a", "", "1.5"), out("b", "application/papermill.record/", "2.5")]}]}
+    p = tmp_path / "x.ipynb"
+    p.write_text(json.dumps(nb))
+    assert colab_edition.glue_values(p) == {"a": "1.5", "b": "2.5"}

@@ -124,8 +124,10 @@ def glue_values(executed: pathlib.Path | None) -> dict[str, str]:
     for cell in json.loads(executed.read_text())["cells"]:
         for out in cell.get("outputs", []):
             sb = out.get("metadata", {}).get("scrapbook")
-            if sb and "text/plain" in out.get("data", {}):
-                plain = out["data"]["text/plain"]
+            # glue(..., display=False) stores its data under a prefix (application/papermill.record/)
+            key = (sb or {}).get("mime_prefix", "") + "text/plain"
+            if sb and key in out.get("data", {}):
+                plain = out["data"][key]
                 values[sb["name"]] = "".join(plain) if isinstance(plain, list) else plain
     return values
 
