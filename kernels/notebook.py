@@ -166,7 +166,7 @@ def interactive_figure(frames, *, slider: str, x_title: str, y_title: str, title
     plot_h = height - top - bottom
     layout = dict(
         title={"text": "<br>".join(textwrap.wrap(title, 44)), "font": {"size": 14},
-               "x": 0, "xanchor": "left",
+               "x": 0, "xanchor": "left", "pad": {"l": 12},
                "y": 1 - 10 / height, "yanchor": "top"},
         template="plotly_white", paper_bgcolor="#ffffff", plot_bgcolor="#ffffff",
         font={"size": 13, "color": "#222222"}, height=height,
