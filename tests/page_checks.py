@@ -16,7 +16,14 @@ CONTRAST_JS = r"""
     const a = top[3];
     return [0, 1, 2].map(i => top[i] * a + bottom[i] * (1 - a)).concat([1]);
   }
+  const cache = new Map();
   function background(el) {
+    if (cache.has(el)) return cache.get(el);
+    const bg = background_(el);
+    cache.set(el, bg);
+    return bg;
+  }
+  function background_(el) {
     const layers = [];
     for (let e = el; e; e = e.parentElement) {
       const c = rgba(getComputedStyle(e).backgroundColor);
@@ -43,9 +50,7 @@ CONTRAST_JS = r"""
     const r = el.getBoundingClientRect();
     const cs = getComputedStyle(el);
     if (r.width === 0 || r.height === 0 || cs.visibility === "hidden" || Number(cs.opacity) === 0) continue;
-    let hidden = false;
-    for (let e = el; e; e = e.parentElement) if (getComputedStyle(e).display === "none") { hidden = true; break; }
-    if (hidden) continue;
+    if (el.offsetParent === null && cs.position !== "fixed") continue;  // inside display: none
     const bg = background(el);
     let fg = rgba(cs.color);
     if (fg[3] < 1) fg = over(fg, bg);
