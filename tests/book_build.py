@@ -107,6 +107,26 @@ def execute_all(workers: int | None = None) -> dict[str, Execution]:
     return dict(LAST_RUN)
 
 
+def reuse() -> dict[str, Execution]:
+    """$BOOK_REUSE=1 (a developer's shortcut, never CI): the executed notebooks and HTML of the
+    previous run in OUT, for iterating on tests that only read them. Chapters with no outputs there
+    (not executed last time) are left out, as if not selected."""
+    found = {}
+    for path in chapter_notebooks():
+        done = OUT / path.relative_to(ROOT)
+        if not done.exists():
+            continue
+        nb = nbformat.read(done, as_version=4)
+        if any(c.get("outputs") for c in nb.cells if c.cell_type == "code"):
+            result = Execution(path)
+            result.stderr_cells = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"
+                                   and any(o.get("name") == "stderr" for o in c.get("outputs", []))]
+            found[path.stem] = result
+    LAST_RUN.clear()
+    LAST_RUN.update(found)
+    return found
+
+
 def build_html() -> tuple[int, str, pathlib.Path]:
     """Render the executed copies with Jupyter Book (execution off). Returns (code, log, html dir)."""
     for name in ("_toc.yml", "references.bib"):

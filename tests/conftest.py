@@ -71,15 +71,23 @@ def poison_empty(monkeypatch):
 @pytest.fixture(scope="session")
 def executed_book():
     """Each chapter executed once for the whole session (see book_build.py)."""
+    import os
+
     import book_build
 
+    if os.environ.get("BOOK_REUSE"):  # a developer's shortcut: the previous run's results
+        return book_build.reuse()
     return book_build.execute_all()
 
 
 @pytest.fixture(scope="session")
 def built_html(executed_book):
+    import os
+
     import book_build
 
+    if os.environ.get("BOOK_REUSE") and (book_build.OUT / "_build" / "html" / "index.html").exists():
+        return book_build.OUT / "_build" / "html"
     code, log, html = book_build.build_html()
     assert code == 0, "jupyter-book build of the executed chapters failed:\n" + log[-6000:]
     return html

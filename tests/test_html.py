@@ -2,7 +2,7 @@
 
 Every page loads from a local server with all other network access blocked (so MathJax must be
 bundled), math renders without MathJax errors, figures load, no cell shows a traceback or an error,
-and each chapter's Colab link points at that chapter's notebook in the configured repository.
+and each chapter's Colab link points at that chapter's Colab edition in the configured repository.
 """
 
 import functools
@@ -108,7 +108,9 @@ def test_colab_link_points_at_the_chapter_notebook(browser, server, page_path):
     page, _, _ = open_page(browser, server, page_path)
     try:
         hrefs = page.eval_on_selector_all("a[href*='colab.research.google.com']", "els => els.map(e => e.href)")
-        expected = f"https://colab.research.google.com/github/{repo}/blob/{cfg['repository']['branch']}/{page_path}.ipynb"
+        # the Colab edition (tools/colab_edition.py), published to its own branch by pages.yml
+        branch = cfg["sphinx"]["config"].get("colab_edition_branch") or cfg["repository"]["branch"]
+        expected = f"https://colab.research.google.com/github/{repo}/blob/{branch}/{page_path}.ipynb"
         assert expected in hrefs, f"{page_path}: Colab links {hrefs}, expected {expected}"
         assert (ROOT / f"{page_path}.ipynb").exists()
     finally:

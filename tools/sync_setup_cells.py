@@ -7,6 +7,7 @@ this project. Run after changing the URL or the template; tests run it with --ch
 
 import json
 import pathlib
+import re
 import sys
 
 import yaml
@@ -15,25 +16,67 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 TAGS = ["setup", "remove-input"]
 
 
-def setup_source() -> str:
+def book_modules() -> list[str]:
+    """What a chapter imports beyond the standard library: ``kernels`` and the ``book`` extra of
+    pyproject.toml (distribution names that are also the module names)."""
+    text = (ROOT / "pyproject.toml").read_text()
+    extra = re.search(r"^book\s*=\s*\[(.*?)\]", text, re.M | re.S).group(1)
+    names = [re.match(r"[A-Za-z0-9_.-]+", d).group(0) for d in re.findall(r'"([^"]+)"', extra)]
+    return ["kernels"] + [n.lower().replace("-", "_") for n in names]
+
+
+def pip_target() -> str:
+    """The install line for this repository at the configured branch (pinned, not the default)."""
     cfg = yaml.safe_load((ROOT / "_config.yml").read_text())
     url = cfg["repository"]["url"].rstrip("/")
-    return (
-        "# Set-up. In Colab: install this book's `kernels` package from its repository.\n"
-        "# Everywhere: pick the device (a CUDA GPU, else Triton's interpreter on the CPU) and a dtype it supports.\n"
-        "import sys\n"
-        "if \"google.colab\" in sys.modules:\n"
-        f"    %pip install -q \"llm-norm-kernels[book] @ git+{url}\"\n"
-        "from kernels.notebook import setup\n"
-        "DEVICE, DTYPE = setup()"
-    )
+    branch = cfg["repository"].get("branch", "main")
+    return f"llm-norm-kernels[book] @ git+{url}@{branch}"
+
+
+# The cell runs before `kernels` can be imported, so its checks live here, not in kernels/.
+# It stays within 88 columns, like every chapter cell.
+TEMPLATE = """\
+# Set-up. In Colab it installs this book's `kernels` package. Anywhere, it checks that
+# what the chapter imports is installed, else stops with the command that installs it.
+# Then it picks the device (a CUDA GPU, else Triton's interpreter) and a dtype.
+import importlib.util, subprocess, sys
+_PIP = ("{pip_a}"
+        "{pip_b}")
+_NEEDS = {needs}
+def _missing():
+    importlib.invalidate_caches()
+    return [m for m in _NEEDS if importlib.util.find_spec(m) is None]
+if "google.colab" in sys.modules and _missing():
+    _run = subprocess.run([sys.executable, "-m", "pip", "install", "-q", _PIP],
+                          capture_output=True, text=True)
+    if _run.returncode != 0:
+        raise RuntimeError(
+            f"Installing this book's packages failed (pip said, last lines):\\n"
+            f"{{_run.stderr[-2000:]}}\\nFix the cause above, then run in a cell:\\n"
+            f'  %pip install "{{_PIP}}"\\nand run this cell again.')
+if _missing():
+    raise ModuleNotFoundError(
+        f"This chapter needs {{', '.join(_missing())}}, not installed. Install with\\n"
+        f'  Colab or Jupyter (in a cell):  %pip install "{{_PIP}}"\\n'
+        "  a clone of the repository:    pip install -e '.[book]'\\n"
+        "(no GPU? first the small CPU torch: pip install torch --index-url "
+        "https://download.pytorch.org/whl/cpu)\\n"
+        "then restart the kernel and run this cell again.")
+from kernels.notebook import setup
+DEVICE, DTYPE = setup()"""
+
+
+def setup_source() -> str:
+    pip = pip_target()
+    cut = pip.index("git+") + len("git+")  # two string pieces keep the cell within 88 columns
+    return TEMPLATE.format(pip_a=pip[:cut], pip_b=pip[cut:], needs=json.dumps(book_modules()))
 
 
 def chapters():
     return sorted((ROOT / "book").glob("*.ipynb"))
 
 
-FIRST_LINE = "# Set-up. In Colab"
+FIRST_LINE = "# Set-up."  # also matches the older cells ("# Set-up. In Colab: ...")
 
 
 def setup_indices(nb) -> list[int]:
@@ -62,6 +105,7 @@ def sync(path: pathlib.Path, check: bool) -> bool:
         first_md = next((j for j, c in enumerate(nb["cells"]) if c["cell_type"] == "markdown"), -1)
         nb["cells"].insert(first_md + 1, cell)
     else:
+        cell["id"] = nb["cells"][i].get("id", "setup")  # keep the id: smaller diffs, fewer conflicts
         nb["cells"][i] = cell
     path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
     return True

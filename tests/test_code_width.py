@@ -1,0 +1,41 @@
+"""Chapter code fits the text column: at most 88 columns a line, so no code cell scrolls sideways.
+
+The book's text column holds about 88 characters of code at desktop width (measured in Chromium at
+1366 px, see test_pages.py). Every code cell of every chapter in _toc.yml is checked, chapters added
+later included. The chapters written before this rule get reformatted in one pass; until then this
+test is expected to fail (xfail, not strict, so that it turns green by itself).
+"""
+
+import json
+
+import pytest
+
+from book_build import chapter_notebooks
+
+MAX_COLUMNS = 88
+
+
+def long_lines(path):
+    nb = json.loads(path.read_text())
+    out = []
+    for i, cell in enumerate(nb["cells"]):
+        if cell["cell_type"] != "code":
+            continue
+        for j, line in enumerate("".join(cell["source"]).splitlines(), 1):
+            if len(line) > MAX_COLUMNS:
+                out.append(f"cell {i} line {j}: {len(line)} columns")
+    return out
+
+
+@pytest.mark.xfail(strict=False, reason="until the reformat of the existing chapters to 88 columns")
+@pytest.mark.parametrize("path", chapter_notebooks(), ids=lambda p: p.stem)
+def test_chapter_code_fits_88_columns(path):
+    bad = long_lines(path)
+    assert not bad, f"{path.name}: {len(bad)} lines over {MAX_COLUMNS} columns:\n" + "\n".join(bad[:20])
+
+
+def test_the_width_check_sees_a_long_line(tmp_path):
+    p = tmp_path / "x.ipynb"
+    p.write_text(json.dumps({"cells": [{"cell_type": "code", "source": ["a = 1\n", "b" * 89]},
+                                       {"cell_type": "markdown", "source": ["m" * 200]}]}))
+    assert long_lines(p) == ["cell 0 line 2: 89 columns"]
