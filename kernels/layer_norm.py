@@ -6,12 +6,20 @@ r"""LayerNorm forward and backward as Triton kernels, differentiable through ``t
 One program normalizes ``BLOCK_M`` rows. The variance is never formed as
 :math:`\overline{x^2} - \mu^2` (which cancels catastrophically when :math:`|\mu| \gg \sigma`):
 
-- a row that fits in one block (``N`` up to 16K fp32 / 32K half-precision elements) is read from
-  memory once and kept in registers; the mean and then the squared deviations from it are summed
-  over the registers (two passes, one read);
+- a row that fits in one block (up to 16 KB: ``N`` up to 4K fp32 / 8K half-precision elements)
+  is read from memory once and kept in registers; the mean and then the squared deviations from
+  it are summed over the registers (two passes, one read);
 - a wider row is read block by block; each block is summarized exactly as above by its
   (mean, M2, count), and the summaries are merged with Chan et al.'s formula
-  (:func:`kernels._triton_utils.chan_combine`). The row is read a second time to write the output.
+  (:func:`kernels._triton_utils.chan_combine`). The row is read a second time to write the
+  output, in reverse block order, so that the blocks the first pass read last, the likeliest to
+  be still in L2, are read first. (Reading the row only once would need the whole row's
+  statistics before its first output: the row held on chip across a cluster of CTAs, which
+  Triton does not expose on every GPU this book targets, or a split over programs whose second
+  kernel reads x again anyway.)
+
+Tiles are chosen from ``N`` alone, never from the number of rows: a row's output bits do not
+depend on the batch it comes in (batch invariance; see :func:`forward_config`).
 
 The per-row mean and ``rstd = 1/sqrt(σ² + ε)`` are stored (fp32; fp64 for fp64 input) for a
 backward pass.
@@ -23,8 +31,11 @@ Backward (vector-Jacobian product, per row, with :math:`\hat x = (x-\mu)\,\mathr
           d\gamma = \textstyle\sum_\text{rows} dy \odot \hat x, \qquad
           d\beta = \textstyle\sum_\text{rows} dy .
 
-dx is computed row by row like the forward; dγ and dβ are reduced over rows deterministically in
-two stages (see :mod:`kernels._reduce`).
+Rows up to 8 KB take one kernel (x and dy read once). Wider rows take two: every row's two dot
+products first, then a sweep over column blocks that writes dx and keeps dγ, dβ in registers.
+Either way dγ and dβ are reduced over rows deterministically in two stages (see
+:mod:`kernels._reduce`), each partial sum written once, and the number of partial rows bounded
+(:func:`backward_plan`) so that they move at most 5 % of the backward's essential bytes.
 """
 
 from dataclasses import dataclass

@@ -290,8 +290,8 @@ def _backward(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, eps, need_dqw,
             ACC=tl_accumulation_dtype(q.dtype), BLOCK_M=cfg.BLOCK_M, BLOCK_HALF=cfg.BLOCK_N // 2,
             num_warps=cfg.num_warps, **LAUNCH,
         )
-    dqw = sum_partials(dqw_part, q_weight.dtype) if need_dqw else None
-    dkw = sum_partials(dkw_part, k_weight.dtype) if need_dkw else None
+        dqw = sum_partials(dqw_part, q_weight.dtype) if need_dqw else None
+        dkw = sum_partials(dkw_part, k_weight.dtype) if need_dkw else None
     return dq, dk, dqw, dkw
 
 
