@@ -189,8 +189,10 @@ def _ptxas(ptx: str, arch: int, fp_fusion: bool) -> dict:
         cmd = [get_ptxas(arch).path, "-lineinfo", *([] if fp_fusion else ["--fmad=false"]), "-v",
                "--regAllocOptLevel=2", f"--gpu-name={sm_arch_from_capability(arch)}", str(src),
                "-o", str(src) + ".o"]
-        log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+        return parse_ptxas_log(subprocess.run(cmd, capture_output=True, text=True, check=True).stderr)
 
+
+def parse_ptxas_log(log: str) -> dict:
     def num(pattern):
         m = re.search(pattern, log)
         return int(m.group(1)) if m else 0
@@ -198,6 +200,31 @@ def _ptxas(ptx: str, arch: int, fp_fusion: bool) -> dict:
     return {"registers": num(r"Used (\d+) registers"), "spill_stores": num(r"(\d+) bytes spill stores"),
             "spill_loads": num(r"(\d+) bytes spill loads"), "stack": num(r"(\d+) bytes stack frame"),
             "static_smem": num(r"(\d+) bytes smem")}
+
+
+_PTXAS_LOGS: list[str] = []
+
+
+def _keep_ptxas_logs() -> None:
+    """Triton's make_cubin already runs ``ptxas -v`` and throws the log away: keep it (saves a
+    second ptxas run per variant). Falls back to our own run when Triton's cache skipped ptxas."""
+    import triton.backends.nvidia.compiler as nv
+
+    real = nv.subprocess
+
+    class Shim:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def run(self, cmd, *args, **kwargs):
+            result = real.run(cmd, *args, **kwargs)
+            log = kwargs.get("stderr")
+            if "-v" in cmd and hasattr(log, "name"):
+                with open(log.name) as f:
+                    _PTXAS_LOGS.append(f.read())
+            return result
+
+    nv.subprocess = Shim()
 
 
 # ---------------------------------------------------------------- the model
@@ -304,6 +331,7 @@ def _compile_and_read(fn, signature, constexprs, attrs, options, target, key: st
     from triton.compiler import ASTSource
 
     t0 = time.perf_counter()
+    _PTXAS_LOGS.clear()
     try:
         compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
                                   options=options.__dict__)
@@ -316,7 +344,8 @@ def _compile_and_read(fn, signature, constexprs, attrs, options, target, key: st
     pointers = {i: n for i, n in enumerate(runtime) if str(signature[n]).startswith("*")}
     info = {"ptx_sha": hashlib.sha256(ptx.encode()).hexdigest()[:16],
             "num_warps": compiled.metadata.num_warps, "shared": compiled.metadata.shared,
-            **_ptxas(ptx, target.arch, options.enable_fp_fusion), **analyze_ptx(ptx, pointers),
+            **(parse_ptxas_log(_PTXAS_LOGS[-1]) if _PTXAS_LOGS else _ptxas(ptx, target.arch, options.enable_fp_fusion)),
+            **analyze_ptx(ptx, pointers),
             "compile_s": round(time.perf_counter() - t0, 3)}
     info["ptx"] = ptx
     CACHE.mkdir(parents=True, exist_ok=True)
@@ -445,6 +474,7 @@ def _child(argv: list[str]) -> int:
     assert not kernels.INTERPRET, "the kernels must be defined for the GPU compiler, not interpreted"
     # The tensors stay on the CPU (nothing runs): let the argument checks accept them.
     kernels._validate.DEVICE = torch.device("cpu")
+    _keep_ptxas_logs()
     capture = _Capture()
     JITFunction.run = lambda self, *args, grid, warmup=False, **kw: capture.run(self, args, kw, grid)
 
@@ -469,7 +499,7 @@ def _child(argv: list[str]) -> int:
                         capture.launches, capture.phase = [], "forward"
                         with torch.no_grad() if phase == "forward" else torch.enable_grad():
                             gen = fn()
-                            if gen is not None:  # a backward: forward launches, then backward ones
+                            if phase == "backward":  # a generator: forward launches, then backward ones
                                 next(gen)
                                 capture.phase = "backward"
                                 next(gen, None)
@@ -500,7 +530,7 @@ def _child_env() -> dict:
 
 
 def run_inspector(archs=(90,), dtypes=DTYPES, shapes="all", calls=None, latency_ns=LATENCY_NS,
-                  ptx=False, timeout=1800) -> dict:
+                  ptx=False, timeout=3600, jobs=None) -> dict:
     """Run the inspector in a child process; returns ``{"meta": ..., "rows": [...]}``.
 
     ``shapes``: "all", "bench", "decode", or a list of (label, M, N). ``calls``: names such as
@@ -508,19 +538,49 @@ def run_inspector(archs=(90,), dtypes=DTYPES, shapes="all", calls=None, latency_
     if not isinstance(shapes, str):
         shapes = ",".join(f"{lab}:{m}:{n}" for lab, m, n in shapes)
     archs = [archs] if isinstance(archs, int) else list(archs)
+    boot = ("import importlib.util, sys; "
+            f"s = importlib.util.spec_from_file_location('_kernels_inspect_child', {str(__file__)!r}); "
+            "m = importlib.util.module_from_spec(s); sys.modules[s.name] = m; s.loader.exec_module(m); "
+            "sys.exit(m._child(sys.argv[1:]))")
     with tempfile.TemporaryDirectory() as tmp:
-        out = pathlib.Path(tmp) / "rows.json"
-        boot = ("import importlib.util, sys; "
-                f"s = importlib.util.spec_from_file_location('_kernels_inspect_child', {str(__file__)!r}); "
-                "m = importlib.util.module_from_spec(s); sys.modules[s.name] = m; s.loader.exec_module(m); "
-                "sys.exit(m._child(sys.argv[1:]))")
-        cmd = [sys.executable, "-c", boot, "--arch", ",".join(map(str, archs)), "--out", str(out),
-               "--dtypes", ",".join(dtypes), "--shapes", shapes, "--calls", ",".join(calls or []),
-               "--latency-ns", str(latency_ns)] + (["--ptx"] if ptx else [])
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_child_env(), cwd=ROOT)
-        if proc.returncode != 0:
-            raise RuntimeError(f"kernels.inspect child failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-        return json.loads(out.read_text())
+        # One child per (architecture, dtype), as many at once as there are cores: compiling is the
+        # cost, and each child compiles its own variants.
+        units = [(arch, dt) for arch in archs for dt in dtypes]
+        pending, running, done = list(units), [], []
+        jobs = max(1, jobs or os.cpu_count() or 1)
+        deadline = time.monotonic() + timeout
+        while pending or running:
+            while pending and len(running) < jobs:
+                arch, dt = pending.pop(0)
+                out = pathlib.Path(tmp) / f"rows{arch}_{dt}.json"
+                cmd = [sys.executable, "-c", boot, "--arch", str(arch), "--out", str(out), "--dtypes", dt,
+                       "--shapes", shapes, "--calls", ",".join(calls or []),
+                       "--latency-ns", str(latency_ns)] + (["--ptx"] if ptx else [])
+                log = out.with_suffix(".log")
+                with log.open("w") as f:
+                    running.append((out, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f,
+                                                          env=_child_env(), cwd=ROOT)))
+            out, proc = running.pop(0)
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            finally:
+                if proc.returncode is None or proc.returncode != 0:
+                    for _, p in running + [(out, proc)]:
+                        p.kill()
+            if proc.returncode != 0:
+                err = out.with_suffix(".log").read_text()
+                raise RuntimeError(f"kernels.inspect child failed ({proc.returncode}):\n{err[-4000:]}")
+            done.append(out)
+        result = {"meta": {}, "rows": []}
+        for out in done:
+            part = json.loads(out.read_text())
+            for k, v in part["meta"].items():
+                if isinstance(v, dict):
+                    result["meta"].setdefault(k, {}).update(v)
+                else:
+                    result["meta"][k] = v
+            result["rows"] += part["rows"]
+        return result
 
 
 def inspect_variants(arch: int = 90, **kwargs) -> list[dict]:
@@ -564,6 +624,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default="all", choices=["all", "bench", "decode"])
     p.add_argument("--calls", default="", help="comma-separated subset, e.g. rms_norm,layer_norm")
     p.add_argument("--latency-ns", type=float, default=LATENCY_NS)
+    p.add_argument("--jobs", type=int, default=None, help="child processes at once (default: the CPU count)")
     a = p.parse_args(argv)
     archs = [int(s) for s in a.arch.split(",")]
     for arch in archs:
@@ -571,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--arch must be one of {', '.join(map(str, GPUS))}, got {arch}")
     t0 = time.perf_counter()
     result = run_inspector(archs, a.dtypes.split(","), a.shapes, [c for c in a.calls.split(",") if c],
-                           a.latency_ns)
+                           a.latency_ns, jobs=a.jobs)
     rows = result["rows"]
     meta = result["meta"]
     for arch in archs:
