@@ -616,6 +616,37 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+COLUMNS = {  # column title: how to read it from a row (for markdown_table)
+    "kernel": lambda r: r["kernel"], "phase": lambda r: r["phase"], "M": lambda r: r["M"], "N": lambda r: r["N"],
+    "warps": lambda r: r["num_warps"], "regs": lambda r: r["registers"],
+    "spill B": lambda r: r["spill_stores"] + r["spill_loads"], "CTA/SM": lambda r: r["ctas_per_sm"],
+    "limit": lambda r: r["occupancy_limit"], "grid": lambda r: r["grid"], "waves": lambda r: f"{r['waves']:.2f}",
+    "in flight KiB": lambda r: f"{r['in_flight_per_sm'] / 1024:.1f}",
+    "needed KiB": lambda r: f"{r['littles_per_sm'] / 1024:.1f}",
+    "predicted": lambda r: f"{r['predicted']:.2f}",
+    "row loads": lambda r: _widths(r["loads"], r["row_args"]), "sqrt/div": lambda r: _math(r["math"]),
+}
+
+
+def markdown_table(rows: list[dict], columns=tuple(COLUMNS)) -> str:
+    """The rows as a Markdown table (a chapter displays it with IPython's Markdown)."""
+    out = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['kernel']} | compile error: {r['error']} |")
+            continue
+        out.append("| " + " | ".join(str(COLUMNS[c](r)).replace("|", "/") for c in columns) + " |")
+    return "\n".join(out)
+
+
+def ptx_excerpt(ptx: str, max_lines: int = 14) -> str:
+    """The lines of a kernel's PTX that the chapter reads: global loads and stores, the square
+    root / division / reciprocal instructions, and the branches that close loops."""
+    keep = re.compile(r"\b(ld|st)\.global|\b(sqrt|rsqrt|div|rcp)\.|\bbra\b|^\$L__BB")
+    lines = [line.strip() for line in ptx.splitlines() if keep.search(line.strip())]
+    return "\n".join(lines[:max_lines])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kernels.inspect", description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", default="90", help="90 (H100/H200), 80 (A100), 75 (T4); comma-separated for several")
