@@ -368,31 +368,43 @@ def _calls(label: str, M: int, N: int, dtype: str, which: set[str] | None):
         # Uninitialized and never touched: nothing runs, so a 2**26-element input costs no time.
         return torch.empty(*shape, dtype=dt).requires_grad_(grad)
 
-    def norm(fn, with_bias):
+    def pair(fn, make_inputs, grad_args=()):
+        """(forward, backward): the call without gradients, and, when the function is
+        differentiable here, the call with ``grad_args`` requiring grad followed by its backward
+        (a generator: the forward's launches, ``yield``, the backward's launches)."""
         def forward():
-            x, w = empty(M, N), empty(N)
-            fn(x, w, *([empty(N)] if with_bias else []))
+            fn(*make_inputs(()))
 
         def backward():
-            x, w = empty(M, N, grad=True), empty(N, grad=True)
-            extra = [empty(N, grad=True)] if with_bias else []
-            y = fn(x, w, *extra)
+            try:
+                outs = fn(*make_inputs(grad_args))
+            except (TypeError, ValueError, NotImplementedError) as exc:
+                if "grad" not in str(exc):
+                    raise
+                return  # refuses inputs that require grad: no backward to inspect
+            outs = [o for o in (outs if isinstance(outs, tuple) else (outs,)) if o.grad_fn is not None]
             yield
-            y.backward(empty(M, N))
+            if outs:
+                torch.autograd.backward(outs, [torch.empty_like(o) for o in outs])
         return forward, backward
 
-    def qk():
+    def rows_and(vectors):
+        return lambda g: [empty(M, N, grad=0 in g)] + [empty(N, grad=i + 1 in g) for i in range(vectors)]
+
+    def qk_inputs(g):
         hq = max(1, N // cases.HEAD_DIM)
         hk = max(1, hq // cases.GQA_GROUP)
         d = cases.HEAD_DIM
-        kernels.qk_norm_rope(empty(1, M, hq, d), empty(1, M, hk, d), empty(d), empty(d),
-                             empty(1, M, d), empty(1, M, d))
+        return [empty(1, M, hq, d, grad=0 in g), empty(1, M, hk, d, grad=1 in g), empty(d, grad=2 in g),
+                empty(d, grad=3 in g), empty(1, M, d), empty(1, M, d)]
 
     out = {
-        "rms_norm": norm(kernels.rms_norm, False),
-        "layer_norm": norm(kernels.layer_norm, True),
-        "fused_add_rms_norm": (lambda: kernels.fused_add_rms_norm(empty(M, N), empty(M, N), empty(N)), None),
-        "qk_norm_rope": (qk, None),
+        "rms_norm": pair(kernels.rms_norm, rows_and(1), (0, 1)),
+        "layer_norm": pair(kernels.layer_norm, rows_and(2), (0, 1, 2)),
+        "fused_add_rms_norm": pair(kernels.fused_add_rms_norm,
+                                   lambda g: [empty(M, N, grad=0 in g), empty(M, N, grad=1 in g),
+                                              empty(N, grad=2 in g)], (0, 1, 2)),
+        "qk_norm_rope": pair(kernels.qk_norm_rope, qk_inputs, (0, 1, 2, 3)),
     }
     for method in ("two_pass", "one_pass", "welford"):
         out[f"row_variance.{method}"] = (lambda m=method: kernels.row_variance(empty(M, N), method=m), None)
@@ -499,8 +511,9 @@ def _child(argv: list[str]) -> int:
                         capture.launches, capture.phase = [], "forward"
                         with torch.no_grad() if phase == "forward" else torch.enable_grad():
                             gen = fn()
-                            if phase == "backward":  # a generator: forward launches, then backward ones
-                                next(gen)
+                            # A backward is a generator: forward launches, then backward ones
+                            # (it stops at once when the function refuses inputs requiring grad).
+                            if phase == "backward" and next(gen, StopIteration) is not StopIteration:
                                 capture.phase = "backward"
                                 next(gen, None)
                         for launch in capture.launches:

@@ -22,8 +22,13 @@ ODD = [("odd", 6, 1000), ("odd", 6, 40000)]
 # (call, phase) of every public launch path; a call that launches nothing would be missing rows.
 PATHS = [("rms_norm", "forward"), ("rms_norm", "backward"), ("layer_norm", "forward"),
          ("layer_norm", "backward"), ("fused_add_rms_norm", "forward"), ("qk_norm_rope", "forward"),
+         # differentiable only once their Triton backward exists; until then no launch to check
+         ("fused_add_rms_norm", "backward"), ("qk_norm_rope", "backward"),
          ("row_variance.two_pass", "forward"), ("row_variance.one_pass", "forward"),
-         ("row_variance.welford", "forward")]
+         ("row_variance.welford", "forward"),
+         # fp32 inputs with statistics accumulated in bf16 (the variance chapter's experiment)
+         ("row_variance.two_pass.bf16acc", "forward"), ("row_variance.one_pass.bf16acc", "forward"),
+         ("row_variance.welford.bf16acc", "forward")]
 
 #: Today's failures, one entry per (check, arch, call, phase). Each is an expected failure that
 #: must fail (strict): when a redesign fixes it the test turns red until its entry is removed.
@@ -58,8 +63,13 @@ def _params(check):
     return out
 
 
+OPTIONAL = {("fused_add_rms_norm", "backward"), ("qk_norm_rope", "backward")}
+
+
 def _rows(table, arch, call, phase):
     rows = [r for r in table if (r["arch"], r["call"], r["phase"]) == (arch, call, phase)]
+    if not rows and (call, phase) in OPTIONAL:
+        pytest.skip(f"{call} has no Triton backward here")
     assert rows, f"no launch recorded for {call} {phase} on sm_{arch}"
     return rows
 
@@ -74,7 +84,7 @@ def test_every_variant_compiles(table, arch, call, phase):
     failed = [f"{_where(r)}: {r['error']}" for r in rows if "error" in r]
     assert not failed, "\n".join(failed)
     # Every dtype and every shape launched something on this path.
-    assert {r["dtype"] for r in rows} == set(DTYPES) | {"fp64"}
+    assert {r["dtype"] for r in rows} == ({"fp32"} if call.endswith("bf16acc") else set(DTYPES) | {"fp64"})
     assert {(r["M"], r["N"]) for r in rows} >= {(m, n) for _, m, n in inspector.bench_shapes()}
 
 
