@@ -27,9 +27,18 @@ def check_input(x, name: str = "x") -> None:
 
 
 def check_device(t: torch.Tensor, name: str) -> None:
+    """``t`` is on the kernels' kind of device (any CUDA device on a GPU machine: a tensor on
+    ``cuda:1`` is launched on ``cuda:1``, see ``_runtime.device_guard``; the CPU in the interpreter)."""
     if t.device.type != DEVICE.type:
         hint = "move it with .cuda()" if DEVICE.type == "cuda" else "no GPU is available here; use a CPU tensor"
         raise ValueError(f"{name} is on {t.device}, but the kernels run on {DEVICE.type}: {hint}")
+
+
+def check_same_device(name: str, t, like_name: str, like) -> None:
+    """``t`` and ``like`` are on one device, index included (``cuda:0`` and ``cuda:1`` differ): a
+    kernel reads every pointer on the device it is launched on."""
+    if t.device != like.device:
+        raise ValueError(f"{name} is on {t.device} but {like_name} is on {like.device}; put them on one device")
 
 
 def check_param(p, name: str, n: int, like: torch.Tensor) -> None:
@@ -42,8 +51,7 @@ def check_param(p, name: str, n: int, like: torch.Tensor) -> None:
         raise TypeError(f"{name} must be {_NAMES}, got {p.dtype}")
     if tuple(p.shape) != (n,):
         raise ValueError(f"{name} must have shape ({n},) to match the last dimension of x, got {tuple(p.shape)}")
-    if p.device != like.device:
-        raise ValueError(f"{name} is on {p.device} but x is on {like.device}; put them on one device")
+    check_same_device(name, p, "x", like)
 
 
 def check_eps(eps) -> float:
@@ -77,5 +85,4 @@ def check_like(t: torch.Tensor, name: str, like: torch.Tensor, like_name: str = 
         raise ValueError(f"{name} must have the same shape as {like_name}, {tuple(like.shape)}, got {tuple(t.shape)}")
     if t.dtype != like.dtype:
         raise TypeError(f"{name} must have the same dtype as {like_name}, {like.dtype}, got {t.dtype}")
-    if t.device != like.device:
-        raise ValueError(f"{name} is on {t.device} but {like_name} is on {like.device}; put them on one device")
+    check_same_device(name, t, like_name, like)

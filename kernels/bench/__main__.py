@@ -1,0 +1,8 @@
+"""python -m kernels.bench: see kernels/bench/__init__.py."""
+
+import sys
+
+from .runner import cli
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,231 @@
+"""The benchmark's cases: shapes, the bytes each case must move, and the functions compared.
+
+Each case is a small function that builds its inputs and its providers (this package's kernel,
+the PyTorch formula as Hugging Face writes it, Liger-Kernel when installed). A case whose kernel
+does not exist yet (ImportError / AttributeError, or a kernel without a backward) raises Skip.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import pathlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .. import timing
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+DATA_DIR = ROOT / "data" / "bench"
+
+SWEEP = [256 * 2**i for i in range(11)]  # 256 … 262,144
+ELEMENTS = 2**26                         # elements per row-sized tensor: M = ELEMENTS // N rows
+SMOKE_SWEEP = [256, 1024]
+SMOKE_ELEMENTS = 2**12
+HEAD_DIM = 128                           # qk_norm_rope: Qwen3's head_dim; N = heads · HEAD_DIM
+GQA_GROUP = 4                            # qk_norm_rope: query heads per key head
+# Decode: a few rows (tokens) of a model's hidden size, where a GPU must be filled from few rows.
+DECODE_M = (1, 8, 64)
+DECODE_N = (4096, 8192)
+SMOKE_DECODE = [(1, 1024)]         # the smoke run's decode shape: one row
+PROVIDERS = ["kernels", "torch eager", "torch.compile", "liger"]
+DO_BENCH = "triton.testing.do_bench (warm-up, median of many runs, L2 flushed before each)"
+WALL_CLOCK = "wall clock in Triton's CPU interpreter (smoke run: exercises the code, not a GPU figure)"
+
+#: The chapter's targets for bf16 and N >= 4096, as fractions of the measured copy bandwidth.
+TARGETS = {"forward": 0.90, "fused add": 0.85, "backward": 0.80}
+TARGET_MIN_N = 4096
+
+
+class Skip(Exception):
+    """A case (or a provider) that cannot run here: a kernel not written yet, a missing package."""
+
+
+# ---------------------------------------------------------------- the cases
+
+@dataclass
+class Problem:
+    """One benchmark instance: inputs, the functions that compute the same thing, and its bytes.
+
+    Every provider is called as ``fn(*inputs)``. For a backward case, the inputs at ``wrt`` get
+    ``requires_grad`` and the timed call is the backward of ``fn(*inputs)`` with ``grad_outputs``.
+    ``nbytes`` counts each tensor that must be read or written once (timing.bytes_moved).
+    """
+
+    inputs: tuple
+    nbytes: int
+    ours: Callable
+    formula: Callable
+    liger: Callable | None = None      # None: Liger has no such kernel
+    wrt: tuple[int, ...] = ()          # backward cases: positions of the inputs to differentiate
+    grad_outputs: tuple = ()
+    shape: str = ""                    # how the row-sized tensors are laid out, for the record
+
+
+@dataclass
+class Case:
+    kernel: str
+    direction: str                     # "forward" | "backward"
+    build: Callable[[int, int, torch.dtype, torch.device], Problem]
+    target: str = ""                   # key of TARGETS
+
+    @property
+    def name(self) -> str:
+        return f"{self.kernel}.{self.direction}"
+
+
+def _kernel(name: str):
+    """``kernels.<name>``, or Skip when that kernel has not been written yet."""
+    try:
+        module = importlib.import_module("kernels")
+        return getattr(module, name)
+    except (ImportError, AttributeError) as exc:
+        raise Skip(f"kernels.{name} does not exist yet ({type(exc).__name__})") from exc
+
+
+def _liger(module: str, attr: str):
+    """A Liger-Kernel autograd Function, or Skip when Liger is not installed (or lacks it)."""
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise Skip("liger-kernel is not installed")
+    try:
+        return getattr(importlib.import_module(f"liger_kernel.ops.{module}"), attr)
+    except Exception as exc:  # an old Liger without the op, or one that fails to import here
+        raise Skip(f"liger_kernel.ops.{module}.{attr} unavailable ({type(exc).__name__})") from exc
+
+
+def _rand(*shape, dtype, device, scale=1.0):
+    """Random normal values: never zeros (a kernel on zeros is trivially 'right', and flatters)."""
+    return (torch.randn(*shape, device=device, dtype=torch.float32) * scale).to(dtype)
+
+
+def _needs_backward(fn, *inputs):
+    """Raise Skip if ``fn`` is not differentiable through autograd (its backward not written yet)."""
+    probe = [(t.detach()[:1] if t.dim() > 1 else t.detach()).clone().requires_grad_(True)
+             if isinstance(t, torch.Tensor) else t for t in inputs]  # one row is enough to ask
+    out = fn(*probe)
+    out = out if isinstance(out, tuple) else (out,)
+    if not any(isinstance(o, torch.Tensor) and o.grad_fn is not None for o in out):
+        raise Skip("no backward yet (the output has no grad_fn)")
+
+
+# The PyTorch formulas, written as the Hugging Face modules write them.
+
+def torch_rms_norm(x, weight, eps=1e-6):
+    xf = x.to(torch.float32)
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def torch_layer_norm(x, weight, bias, eps=1e-5):
+    return torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def torch_fused_add_rms_norm(x, residual, weight, eps=1e-6):
+    h = x + residual
+    return torch_rms_norm(h, weight, eps), h
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def torch_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=1e-6):
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    qn, kn = torch_rms_norm(q, q_weight, eps), torch_rms_norm(k, k_weight, eps)
+    return qn * c + _rotate_half(qn) * s, kn * c + _rotate_half(kn) * s
+
+
+def _liger_rms_norm():
+    fn = _liger("rms_norm", "LigerRMSNormFunction")
+    if "in_place" in inspect.signature(fn.forward).parameters:
+        # in_place=False: the default overwrites dy with dx, which would change the timed data.
+        return lambda x, w: fn.apply(x, w, 1e-6, 0.0, "llama", False)
+    return lambda x, w: fn.apply(x, w, 1e-6)
+
+
+def build_rms_norm(M, N, dtype, device, backward=False):
+    ours = _kernel("rms_norm")
+    x, w = _rand(M, N, dtype=dtype, device=device), _rand(N, dtype=dtype, device=device)
+    try:
+        liger = _liger_rms_norm()
+    except Skip as exc:
+        liger = exc
+    if not backward:
+        y = torch.empty_like(x)
+        return Problem((x, w), timing.bytes_moved(x, w, y), lambda x, w: ours(x, w, 1e-6),
+                       torch_rms_norm, liger, shape=f"x ({M}, {N})")
+    _needs_backward(lambda x, w: ours(x, w, 1e-6), x, w)
+    dy = _rand(M, N, dtype=dtype, device=device)
+    # Must move: read x, w, dy; write dx and dw.
+    nbytes = timing.bytes_moved(x, w, dy, torch.empty_like(x), torch.empty_like(w))
+    return Problem((x, w), nbytes, lambda x, w: ours(x, w, 1e-6), torch_rms_norm, liger,
+                   wrt=(0, 1), grad_outputs=(dy,), shape=f"x ({M}, {N})")
+
+
+def build_layer_norm(M, N, dtype, device, backward=False):
+    ours = _kernel("layer_norm")
+    x = _rand(M, N, dtype=dtype, device=device)
+    w, b = _rand(N, dtype=dtype, device=device), _rand(N, dtype=dtype, device=device)
+    try:
+        fn = _liger("layer_norm", "LigerLayerNormFunction")
+        liger = lambda x, w, b: fn.apply(x, w, b, 1e-5)  # noqa: E731
+    except Skip as exc:
+        liger = exc
+    call = lambda x, w, b: ours(x, w, b, 1e-5)  # noqa: E731
+    if not backward:
+        return Problem((x, w, b), timing.bytes_moved(x, w, b, torch.empty_like(x)), call,
+                       torch_layer_norm, liger, shape=f"x ({M}, {N})")
+    _needs_backward(call, x, w, b)
+    dy = _rand(M, N, dtype=dtype, device=device)
+    # Must move: read x, w, dy (b is not needed); write dx, dw and db.
+    nbytes = timing.bytes_moved(x, w, dy, torch.empty_like(x), torch.empty_like(w), torch.empty_like(b))
+    return Problem((x, w, b), nbytes, call, torch_layer_norm, liger,
+                   wrt=(0, 1, 2), grad_outputs=(dy,), shape=f"x ({M}, {N})")
+
+
+def build_fused_add_rms_norm(M, N, dtype, device):
+    ours = _kernel("fused_add_rms_norm")
+    x, r = _rand(M, N, dtype=dtype, device=device), _rand(M, N, dtype=dtype, device=device)
+    w = _rand(N, dtype=dtype, device=device)
+    try:
+        fn = _liger("fused_add_rms_norm", "LigerFusedAddRMSNormFunction")
+        liger = lambda x, r, w: fn.apply(x, r, w, 1e-6)  # noqa: E731
+    except Skip as exc:
+        liger = exc
+    # Must move: read x, residual, w; write y and residual_out.
+    nbytes = timing.bytes_moved(x, r, w, torch.empty_like(x), torch.empty_like(x))
+    return Problem((x, r, w), nbytes, lambda x, r, w: ours(x, r, w, 1e-6), torch_fused_add_rms_norm,
+                   liger, shape=f"x, residual ({M}, {N})")
+
+
+def build_qk_norm_rope(M, N, dtype, device):
+    """M tokens; N = n_heads · head_dim for the queries, a quarter as many key heads (GQA)."""
+    ours = _kernel("qk_norm_rope")
+    hq = max(1, N // HEAD_DIM)
+    hk = max(1, hq // GQA_GROUP)
+    q = _rand(1, M, hq, HEAD_DIM, dtype=dtype, device=device)
+    k = _rand(1, M, hk, HEAD_DIM, dtype=dtype, device=device)
+    qw, kw = _rand(HEAD_DIM, dtype=dtype, device=device), _rand(HEAD_DIM, dtype=dtype, device=device)
+    angles = torch.arange(M, device=device, dtype=torch.float32)[:, None] * torch.rand(HEAD_DIM // 2, device=device)
+    angles = torch.cat([angles, angles], dim=-1)[None]
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    # Must move: read q, k, both weights, cos, sin; write q_out and k_out.
+    nbytes = timing.bytes_moved(q, k, qw, kw, cos, sin, torch.empty_like(q), torch.empty_like(k))
+    return Problem((q, k, qw, kw, cos, sin), nbytes,
+                   lambda q, k, qw, kw, c, s: ours(q, k, qw, kw, c, s, 1e-6), torch_qk_norm_rope,
+                   Skip("Liger has no fused QK-Norm + RoPE"),
+                   shape=f"q (1, {M}, {hq}, {HEAD_DIM}), k (1, {M}, {hk}, {HEAD_DIM})")
+
+
+CASES = [
+    Case("rms_norm", "forward", lambda M, N, dt, dev: build_rms_norm(M, N, dt, dev), "forward"),
+    Case("rms_norm", "backward", lambda M, N, dt, dev: build_rms_norm(M, N, dt, dev, True), "backward"),
+    Case("layer_norm", "forward", lambda M, N, dt, dev: build_layer_norm(M, N, dt, dev), "forward"),
+    Case("layer_norm", "backward", lambda M, N, dt, dev: build_layer_norm(M, N, dt, dev, True), "backward"),
+    Case("fused_add_rms_norm", "forward", build_fused_add_rms_norm, "fused add"),
+    Case("qk_norm_rope", "forward", build_qk_norm_rope, "forward"),
+]
+

@@ -1,0 +1,124 @@
+"""The benchmark's files: CSV/JSON with provenance, and reading recorded GPU runs back."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import pathlib
+import re
+
+from .cases import CASES, DATA_DIR, DO_BENCH, PROVIDERS, TARGET_MIN_N, TARGETS
+
+# ---------------------------------------------------------------- files
+
+CSV_FIELDS = ["kernel", "direction", "provider", "regime", "M", "N", "shape", "dtype", "bytes", "ms", "GB/s", "pct_of_copy",
+              "status", "check", "note", "gpu", "torch", "triton", "date", "copy_GB/s", "smoke"]
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower() or "device"
+
+
+def write_results(out_dir: pathlib.Path, prov: dict, copy: dict, rows: list[dict],
+                  errors: list[dict] = ()) -> tuple[pathlib.Path, pathlib.Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = prov["date"].replace(":", "").replace("-", "").replace("+0000", "Z")
+    stem = f"{stamp}_{_slug(prov['gpu'])}" + ("_smoke" if prov["smoke"] else "")
+    json_path, csv_path = out_dir / f"{stem}.json", out_dir / f"{stem}.csv"
+    json_path.write_text(json.dumps({"provenance": prov, "copy": copy, "results": rows, "errors": list(errors)}, indent=1) + "\n")
+    with csv_path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({**r, "dtype": prov["dtype"], "gpu": prov["gpu"], "torch": prov["torch"],
+                             "triton": prov["triton"], "date": prov["date"], "copy_GB/s": copy["GB/s"],
+                             "smoke": prov["smoke"]})
+    return json_path, csv_path
+
+
+def load_runs(folder: pathlib.Path | str | None = None) -> list[dict]:
+    """Every recorded GPU run in ``folder`` (default data/bench/), oldest first.
+
+    Only files written by a full run on a CUDA GPU count: smoke runs, interpreter runs and files
+    without provenance are ignored, so that no figure can come from anything but a GPU.
+    """
+    folder = DATA_DIR if folder is None else pathlib.Path(folder)
+    runs = []
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            run_ = json.loads(path.read_text())
+            prov = run_["provenance"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        if prov.get("smoke") or prov.get("interpreter") or not str(prov.get("device", "")).startswith("cuda"):
+            continue
+        if prov.get("timer") != DO_BENCH or not run_.get("results"):
+            continue
+        run_["path"] = str(path)
+        runs.append(run_)
+    return sorted(runs, key=lambda r: r["provenance"]["date"])
+
+
+def label(run_: dict) -> str:
+    """One line naming where and when a run was measured."""
+    p = run_["provenance"]
+    return (f"{p['gpu']} · torch {p['torch']} · triton {p['triton']} · {p['dtype']} · "
+            f"{p['date'][:10]} · copy {run_['copy']['GB/s']:.0f} GB/s")
+
+
+def summary(run_: dict) -> list[dict]:
+    """Per case and provider: the lowest % of copy bandwidth for N >= TARGET_MIN_N, and whether
+    the Triton kernel is at least as fast as torch.compile on every shape."""
+    # The sweep's rows (many rows per shape); decode shapes are read separately.
+    ok = [r for r in run_["results"] if r["status"] == "ok" and r.get("regime", "sweep") in ("sweep", "")]
+    out = []
+    for kernel, direction in dict.fromkeys((r["kernel"], r["direction"]) for r in ok):
+        case = next((c for c in CASES if c.kernel == kernel and c.direction == direction), None)
+        target = TARGETS.get(case.target) if case else None
+        rows = [r for r in ok if (r["kernel"], r["direction"]) == (kernel, direction)]
+        compiled = {r["N"]: r["ms"] for r in rows if r["provider"] == "torch.compile"}
+        for provider in dict.fromkeys(r["provider"] for r in rows):
+            mine = [r for r in rows if r["provider"] == provider]
+            big = [r["pct_of_copy"] for r in mine if r["N"] >= TARGET_MIN_N and r["pct_of_copy"] is not None]
+            entry = {"kernel": kernel, "direction": direction, "provider": provider,
+                     "min % of copy (N >= 4096)": min(big) if big else None,
+                     "target %": 100 * target if target and provider == "kernels" else None}
+            if provider == "kernels" and compiled:
+                entry["as fast as torch.compile on every N"] = all(
+                    r["ms"] <= compiled[r["N"]] for r in mine if r["N"] in compiled)
+            out.append(entry)
+    return out
+
+
+def plot_run(run_: dict):
+    """One panel per case: GB/s against N for every provider, the copy bandwidth as a line."""
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in run_["results"] if r["status"] == "ok" and r.get("regime", "sweep") in ("sweep", "")]
+    cases = list(dict.fromkeys((r["kernel"], r["direction"]) for r in ok))
+    cols = min(3, max(1, len(cases)))
+    rows_ = math.ceil(len(cases) / cols) if cases else 1
+    fig, axes = plt.subplots(rows_, cols, figsize=(4.2 * cols, 3.3 * rows_), squeeze=False)
+    copy = run_["copy"]["GB/s"]
+    for ax, (kernel, direction) in zip(axes.flat, cases):
+        for provider in PROVIDERS:
+            pts = sorted((r["N"], r["GB/s"]) for r in ok
+                         if (r["kernel"], r["direction"], r["provider"]) == (kernel, direction, provider))
+            if pts:
+                ax.plot(*zip(*pts), marker="o", ms=3, label=provider)
+        ax.axhline(copy, color="k", ls="--", lw=1, label="copy (measured)")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{kernel} {direction}", fontsize=10)
+        ax.set_xlabel("hidden size N")
+        ax.set_ylabel("GB/s")
+        ax.set_ylim(0, copy * 1.15)
+    for ax in list(axes.flat)[len(cases):]:
+        ax.axis("off")
+    if cases:
+        axes.flat[0].legend(fontsize=7)
+    fig.suptitle(label(run_), fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
