@@ -55,7 +55,8 @@ def _norm_rope_tile(
     x2 = tl.load(x_rows[:, None] + HALF + cols[None, :], mask=mask, other=0.0).to(ACC)
     # Statistics in fp32 (fp64 for fp64 input), over the whole head: both halves.
     mean_sq = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
-    rstd = 1.0 / tl.sqrt(mean_sq + eps)
+    # Padding rows of the last tile read as zeros: give them 1, not 1/0, when eps = 0.
+    rstd = 1.0 / tl.sqrt(tl.where(row_mask, mean_sq + eps, 1.0))
 
     # Qwen3RMSNorm: normalize in fp32, round to the input dtype, then multiply by the weight.
     # Each product of two half-precision values is exact in fp32, so rounding it once is exactly
