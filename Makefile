@@ -2,13 +2,15 @@
 #   make book   set up .venv, build the HTML book with every chapter executed
 #   make test   set up .venv (and Chromium, where it can), run the whole test suite
 # Neither needs a GPU: without one, kernels run in Triton's interpreter on the CPU.
+#   make gpu-check   on a CUDA GPU only: tests, chapters, benchmark and inspector on the GPU,
+#                    results with their provenance into data/bench/ (tools/gpu_check.py)
 
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 
-.PHONY: book test setup browser clean
+.PHONY: book test gpu-check setup browser clean
 
 setup: $(STAMP)
 
@@ -34,6 +36,10 @@ browser:
 
 test: $(STAMP) browser
 	$(PY) -m pytest
+
+# Refuses (exit 2) on a machine without a CUDA GPU; about 10 minutes on one H100-class GPU.
+gpu-check: $(STAMP) browser
+	$(PY) tools/gpu_check.py
 
 clean:
 	rm -rf _build

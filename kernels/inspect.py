@@ -189,8 +189,10 @@ def _ptxas(ptx: str, arch: int, fp_fusion: bool) -> dict:
         cmd = [get_ptxas(arch).path, "-lineinfo", *([] if fp_fusion else ["--fmad=false"]), "-v",
                "--regAllocOptLevel=2", f"--gpu-name={sm_arch_from_capability(arch)}", str(src),
                "-o", str(src) + ".o"]
-        log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+        return parse_ptxas_log(subprocess.run(cmd, capture_output=True, text=True, check=True).stderr)
 
+
+def parse_ptxas_log(log: str) -> dict:
     def num(pattern):
         m = re.search(pattern, log)
         return int(m.group(1)) if m else 0
@@ -198,6 +200,31 @@ def _ptxas(ptx: str, arch: int, fp_fusion: bool) -> dict:
     return {"registers": num(r"Used (\d+) registers"), "spill_stores": num(r"(\d+) bytes spill stores"),
             "spill_loads": num(r"(\d+) bytes spill loads"), "stack": num(r"(\d+) bytes stack frame"),
             "static_smem": num(r"(\d+) bytes smem")}
+
+
+_PTXAS_LOGS: list[str] = []
+
+
+def _keep_ptxas_logs() -> None:
+    """Triton's make_cubin already runs ``ptxas -v`` and throws the log away: keep it (saves a
+    second ptxas run per variant). Falls back to our own run when Triton's cache skipped ptxas."""
+    import triton.backends.nvidia.compiler as nv
+
+    real = nv.subprocess
+
+    class Shim:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def run(self, cmd, *args, **kwargs):
+            result = real.run(cmd, *args, **kwargs)
+            log = kwargs.get("stderr")
+            if "-v" in cmd and hasattr(log, "name"):
+                with open(log.name) as f:
+                    _PTXAS_LOGS.append(f.read())
+            return result
+
+    nv.subprocess = Shim()
 
 
 # ---------------------------------------------------------------- the model
@@ -304,6 +331,7 @@ def _compile_and_read(fn, signature, constexprs, attrs, options, target, key: st
     from triton.compiler import ASTSource
 
     t0 = time.perf_counter()
+    _PTXAS_LOGS.clear()
     try:
         compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
                                   options=options.__dict__)
@@ -316,7 +344,8 @@ def _compile_and_read(fn, signature, constexprs, attrs, options, target, key: st
     pointers = {i: n for i, n in enumerate(runtime) if str(signature[n]).startswith("*")}
     info = {"ptx_sha": hashlib.sha256(ptx.encode()).hexdigest()[:16],
             "num_warps": compiled.metadata.num_warps, "shared": compiled.metadata.shared,
-            **_ptxas(ptx, target.arch, options.enable_fp_fusion), **analyze_ptx(ptx, pointers),
+            **(parse_ptxas_log(_PTXAS_LOGS[-1]) if _PTXAS_LOGS else _ptxas(ptx, target.arch, options.enable_fp_fusion)),
+            **analyze_ptx(ptx, pointers),
             "compile_s": round(time.perf_counter() - t0, 3)}
     info["ptx"] = ptx
     CACHE.mkdir(parents=True, exist_ok=True)
@@ -339,31 +368,43 @@ def _calls(label: str, M: int, N: int, dtype: str, which: set[str] | None):
         # Uninitialized and never touched: nothing runs, so a 2**26-element input costs no time.
         return torch.empty(*shape, dtype=dt).requires_grad_(grad)
 
-    def norm(fn, with_bias):
+    def pair(fn, make_inputs, grad_args=()):
+        """(forward, backward): the call without gradients, and, when the function is
+        differentiable here, the call with ``grad_args`` requiring grad followed by its backward
+        (a generator: the forward's launches, ``yield``, the backward's launches)."""
         def forward():
-            x, w = empty(M, N), empty(N)
-            fn(x, w, *([empty(N)] if with_bias else []))
+            fn(*make_inputs(()))
 
         def backward():
-            x, w = empty(M, N, grad=True), empty(N, grad=True)
-            extra = [empty(N, grad=True)] if with_bias else []
-            y = fn(x, w, *extra)
+            try:
+                outs = fn(*make_inputs(grad_args))
+            except (TypeError, ValueError, NotImplementedError) as exc:
+                if "grad" not in str(exc):
+                    raise
+                return  # refuses inputs that require grad: no backward to inspect
+            outs = [o for o in (outs if isinstance(outs, tuple) else (outs,)) if o.grad_fn is not None]
             yield
-            y.backward(empty(M, N))
+            if outs:
+                torch.autograd.backward(outs, [torch.empty_like(o) for o in outs])
         return forward, backward
 
-    def qk():
+    def rows_and(vectors):
+        return lambda g: [empty(M, N, grad=0 in g)] + [empty(N, grad=i + 1 in g) for i in range(vectors)]
+
+    def qk_inputs(g):
         hq = max(1, N // cases.HEAD_DIM)
         hk = max(1, hq // cases.GQA_GROUP)
         d = cases.HEAD_DIM
-        kernels.qk_norm_rope(empty(1, M, hq, d), empty(1, M, hk, d), empty(d), empty(d),
-                             empty(1, M, d), empty(1, M, d))
+        return [empty(1, M, hq, d, grad=0 in g), empty(1, M, hk, d, grad=1 in g), empty(d, grad=2 in g),
+                empty(d, grad=3 in g), empty(1, M, d), empty(1, M, d)]
 
     out = {
-        "rms_norm": norm(kernels.rms_norm, False),
-        "layer_norm": norm(kernels.layer_norm, True),
-        "fused_add_rms_norm": (lambda: kernels.fused_add_rms_norm(empty(M, N), empty(M, N), empty(N)), None),
-        "qk_norm_rope": (qk, None),
+        "rms_norm": pair(kernels.rms_norm, rows_and(1), (0, 1)),
+        "layer_norm": pair(kernels.layer_norm, rows_and(2), (0, 1, 2)),
+        "fused_add_rms_norm": pair(kernels.fused_add_rms_norm,
+                                   lambda g: [empty(M, N, grad=0 in g), empty(M, N, grad=1 in g),
+                                              empty(N, grad=2 in g)], (0, 1, 2)),
+        "qk_norm_rope": pair(kernels.qk_norm_rope, qk_inputs, (0, 1, 2, 3)),
     }
     for method in ("two_pass", "one_pass", "welford"):
         out[f"row_variance.{method}"] = (lambda m=method: kernels.row_variance(empty(M, N), method=m), None)
@@ -445,6 +486,7 @@ def _child(argv: list[str]) -> int:
     assert not kernels.INTERPRET, "the kernels must be defined for the GPU compiler, not interpreted"
     # The tensors stay on the CPU (nothing runs): let the argument checks accept them.
     kernels._validate.DEVICE = torch.device("cpu")
+    _keep_ptxas_logs()
     capture = _Capture()
     JITFunction.run = lambda self, *args, grid, warmup=False, **kw: capture.run(self, args, kw, grid)
 
@@ -469,8 +511,9 @@ def _child(argv: list[str]) -> int:
                         capture.launches, capture.phase = [], "forward"
                         with torch.no_grad() if phase == "forward" else torch.enable_grad():
                             gen = fn()
-                            if gen is not None:  # a backward: forward launches, then backward ones
-                                next(gen)
+                            # A backward is a generator: forward launches, then backward ones
+                            # (it stops at once when the function refuses inputs requiring grad).
+                            if phase == "backward" and next(gen, StopIteration) is not StopIteration:
                                 capture.phase = "backward"
                                 next(gen, None)
                         for launch in capture.launches:
@@ -500,7 +543,7 @@ def _child_env() -> dict:
 
 
 def run_inspector(archs=(90,), dtypes=DTYPES, shapes="all", calls=None, latency_ns=LATENCY_NS,
-                  ptx=False, timeout=1800) -> dict:
+                  ptx=False, timeout=3600, jobs=None) -> dict:
     """Run the inspector in a child process; returns ``{"meta": ..., "rows": [...]}``.
 
     ``shapes``: "all", "bench", "decode", or a list of (label, M, N). ``calls``: names such as
@@ -508,19 +551,49 @@ def run_inspector(archs=(90,), dtypes=DTYPES, shapes="all", calls=None, latency_
     if not isinstance(shapes, str):
         shapes = ",".join(f"{lab}:{m}:{n}" for lab, m, n in shapes)
     archs = [archs] if isinstance(archs, int) else list(archs)
+    boot = ("import importlib.util, sys; "
+            f"s = importlib.util.spec_from_file_location('_kernels_inspect_child', {str(__file__)!r}); "
+            "m = importlib.util.module_from_spec(s); sys.modules[s.name] = m; s.loader.exec_module(m); "
+            "sys.exit(m._child(sys.argv[1:]))")
     with tempfile.TemporaryDirectory() as tmp:
-        out = pathlib.Path(tmp) / "rows.json"
-        boot = ("import importlib.util, sys; "
-                f"s = importlib.util.spec_from_file_location('_kernels_inspect_child', {str(__file__)!r}); "
-                "m = importlib.util.module_from_spec(s); sys.modules[s.name] = m; s.loader.exec_module(m); "
-                "sys.exit(m._child(sys.argv[1:]))")
-        cmd = [sys.executable, "-c", boot, "--arch", ",".join(map(str, archs)), "--out", str(out),
-               "--dtypes", ",".join(dtypes), "--shapes", shapes, "--calls", ",".join(calls or []),
-               "--latency-ns", str(latency_ns)] + (["--ptx"] if ptx else [])
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_child_env(), cwd=ROOT)
-        if proc.returncode != 0:
-            raise RuntimeError(f"kernels.inspect child failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-        return json.loads(out.read_text())
+        # One child per (architecture, dtype), as many at once as there are cores: compiling is the
+        # cost, and each child compiles its own variants.
+        units = [(arch, dt) for arch in archs for dt in dtypes]
+        pending, running, done = list(units), [], []
+        jobs = max(1, jobs or os.cpu_count() or 1)
+        deadline = time.monotonic() + timeout
+        while pending or running:
+            while pending and len(running) < jobs:
+                arch, dt = pending.pop(0)
+                out = pathlib.Path(tmp) / f"rows{arch}_{dt}.json"
+                cmd = [sys.executable, "-c", boot, "--arch", str(arch), "--out", str(out), "--dtypes", dt,
+                       "--shapes", shapes, "--calls", ",".join(calls or []),
+                       "--latency-ns", str(latency_ns)] + (["--ptx"] if ptx else [])
+                log = out.with_suffix(".log")
+                with log.open("w") as f:
+                    running.append((out, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f,
+                                                          env=_child_env(), cwd=ROOT)))
+            out, proc = running.pop(0)
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            finally:
+                if proc.returncode is None or proc.returncode != 0:
+                    for _, p in running + [(out, proc)]:
+                        p.kill()
+            if proc.returncode != 0:
+                err = out.with_suffix(".log").read_text()
+                raise RuntimeError(f"kernels.inspect child failed ({proc.returncode}):\n{err[-4000:]}")
+            done.append(out)
+        result = {"meta": {}, "rows": []}
+        for out in done:
+            part = json.loads(out.read_text())
+            for k, v in part["meta"].items():
+                if isinstance(v, dict):
+                    result["meta"].setdefault(k, {}).update(v)
+                else:
+                    result["meta"][k] = v
+            result["rows"] += part["rows"]
+        return result
 
 
 def inspect_variants(arch: int = 90, **kwargs) -> list[dict]:
@@ -556,6 +629,37 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+COLUMNS = {  # column title: how to read it from a row (for markdown_table)
+    "kernel": lambda r: r["kernel"], "phase": lambda r: r["phase"], "M": lambda r: r["M"], "N": lambda r: r["N"],
+    "warps": lambda r: r["num_warps"], "regs": lambda r: r["registers"],
+    "spill B": lambda r: r["spill_stores"] + r["spill_loads"], "CTA/SM": lambda r: r["ctas_per_sm"],
+    "limit": lambda r: r["occupancy_limit"], "grid": lambda r: r["grid"], "waves": lambda r: f"{r['waves']:.2f}",
+    "in flight KiB": lambda r: f"{r['in_flight_per_sm'] / 1024:.1f}",
+    "needed KiB": lambda r: f"{r['littles_per_sm'] / 1024:.1f}",
+    "predicted": lambda r: f"{r['predicted']:.2f}",
+    "row loads": lambda r: _widths(r["loads"], r["row_args"]), "sqrt/div": lambda r: _math(r["math"]),
+}
+
+
+def markdown_table(rows: list[dict], columns=tuple(COLUMNS)) -> str:
+    """The rows as a Markdown table (a chapter displays it with IPython's Markdown)."""
+    out = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['kernel']} | compile error: {r['error']} |")
+            continue
+        out.append("| " + " | ".join(str(COLUMNS[c](r)).replace("|", "/") for c in columns) + " |")
+    return "\n".join(out)
+
+
+def ptx_excerpt(ptx: str, max_lines: int = 14) -> str:
+    """The lines of a kernel's PTX that the chapter reads: global loads and stores, the square
+    root / division / reciprocal instructions, and the branches that close loops."""
+    keep = re.compile(r"\b(ld|st)\.global|\b(sqrt|rsqrt|div|rcp)\.|\bbra\b|^\$L__BB")
+    lines = [line.strip() for line in ptx.splitlines() if keep.search(line.strip())]
+    return "\n".join(lines[:max_lines])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kernels.inspect", description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", default="90", help="90 (H100/H200), 80 (A100), 75 (T4); comma-separated for several")
@@ -564,6 +668,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default="all", choices=["all", "bench", "decode"])
     p.add_argument("--calls", default="", help="comma-separated subset, e.g. rms_norm,layer_norm")
     p.add_argument("--latency-ns", type=float, default=LATENCY_NS)
+    p.add_argument("--jobs", type=int, default=None, help="child processes at once (default: the CPU count)")
     a = p.parse_args(argv)
     archs = [int(s) for s in a.arch.split(",")]
     for arch in archs:
@@ -571,7 +676,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--arch must be one of {', '.join(map(str, GPUS))}, got {arch}")
     t0 = time.perf_counter()
     result = run_inspector(archs, a.dtypes.split(","), a.shapes, [c for c in a.calls.split(",") if c],
-                           a.latency_ns)
+                           a.latency_ns, jobs=a.jobs)
     rows = result["rows"]
     meta = result["meta"]
     for arch in archs:

@@ -6,12 +6,20 @@ r"""LayerNorm forward and backward as Triton kernels, differentiable through ``t
 One program normalizes ``BLOCK_M`` rows. The variance is never formed as
 :math:`\overline{x^2} - \mu^2` (which cancels catastrophically when :math:`|\mu| \gg \sigma`):
 
-- a row that fits in one block (``N`` up to 16K fp32 / 32K half-precision elements) is read from
-  memory once and kept in registers; the mean and then the squared deviations from it are summed
-  over the registers (two passes, one read);
+- a row that fits in one block (up to 16 KB: ``N`` up to 4K fp32 / 8K half-precision elements)
+  is read from memory once and kept in registers; the mean and then the squared deviations from
+  it are summed over the registers (two passes, one read);
 - a wider row is read block by block; each block is summarized exactly as above by its
   (mean, M2, count), and the summaries are merged with Chan et al.'s formula
-  (:func:`kernels._triton_utils.chan_combine`). The row is read a second time to write the output.
+  (:func:`kernels._triton_utils.chan_combine`). The row is read a second time to write the
+  output, in reverse block order, so that the blocks the first pass read last, the likeliest to
+  be still in L2, are read first. (Reading the row only once would need the whole row's
+  statistics before its first output: the row held on chip across a cluster of CTAs, which
+  Triton does not expose on every GPU this book targets, or a split over programs whose second
+  kernel reads x again anyway.)
+
+Tiles are chosen from ``N`` alone, never from the number of rows: a row's output bits do not
+depend on the batch it comes in (batch invariance; see :func:`forward_config`).
 
 The per-row mean and ``rstd = 1/sqrt(σ² + ε)`` are stored (fp32; fp64 for fp64 input) for a
 backward pass.
@@ -23,19 +31,120 @@ Backward (vector-Jacobian product, per row, with :math:`\hat x = (x-\mu)\,\mathr
           d\gamma = \textstyle\sum_\text{rows} dy \odot \hat x, \qquad
           d\beta = \textstyle\sum_\text{rows} dy .
 
-dx is computed row by row like the forward; dγ and dβ are reduced over rows deterministically in
-two stages (see :mod:`kernels._reduce`).
+Rows up to 8 KB take one kernel (x and dy read once). Wider rows take two: every row's two dot
+products first, then a sweep over column blocks that writes dx and keeps dγ, dβ in registers.
+Either way dγ and dβ are reduced over rows deterministically in two stages (see
+:mod:`kernels._reduce`), each partial sum written once, and the number of partial rows bounded
+(:func:`backward_plan`) so that they move at most 5 % of the backward's essential bytes.
 """
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from . import _validate
-from ._config import LAUNCH, accumulation_dtype, row_config, tl_accumulation_dtype
-from ._reduce import num_partials, sum_partials
+from ._config import LAUNCH, accumulation_dtype, tl_accumulation_dtype
+from ._reduce import sum_partials
+from ._runtime import DEVICE, INTERPRET, device_guard
 from ._triton_utils import chan_combine, round_to
 
+
+# ---------------------------------------------------------------- launch configurations
+#
+# Chosen from the row length N alone, never from the number of rows M: the tile a row lands in,
+# and so the order in which its sums are taken, is the same for M = 1 as for M = 4096 (batch
+# invariance: a row's output bits do not depend on the rest of the batch).
+
+# A forward row up to this many bytes is held in registers and read once. Wider rows would need
+# more than 16 values per thread at 16 warps, and ptxas then gives 1 CTA per SM (or spills).
+FWD_SINGLE_BYTES = 16384
+# Backward rows up to this many bytes take the one-kernel path (x and dy held in registers).
+BWD_SINGLE_BYTES = 8192
+TILE = 4096          # elements per forward program (rows × columns) when rows are short
+BWD_TILE = 2048      # the backward holds x, dy, dx and two dγ/dβ sums: half the tile
+LOOP_BLOCK_N = 4096  # column block of the looped forward and of the backward's row dot products
+COL_BLOCK_N = 512    # column block of the backward's column sweep (dx, dγ, dβ), on a GPU
+# The interpreter runs programs one after another, each with a fixed overhead: wider blocks, so
+# fewer programs (the same code path, with more columns per program).
+_RUN_COL_BLOCK_N = 4096 if INTERPRET else COL_BLOCK_N
+COL_BLOCK_M = 4      # rows per step of that sweep
+# The second stage of dγ/dβ (the (G, N) partial sums) may move at most this share of the
+# backward's essential bytes (read x and dy, write dx).
+MAX_PARTIAL_SHARE = 0.05
+
+
+@dataclass(frozen=True)
+class Config:
+    BLOCK_M: int
+    BLOCK_N: int
+    SINGLE_BLOCK: bool
+    num_warps: int
+
+
+def _warps(elements: int) -> int:
+    return min(max(elements // 256, 1), 16)  # 8 values per thread per tensor at most 16 warps
+
+
+def forward_config(N: int, element_size: int) -> Config:
+    """The forward's tiling for rows of N elements (independent of M, see above)."""
+    block_n = triton.next_power_of_2(N)
+    if block_n * element_size <= FWD_SINGLE_BYTES:
+        block_m = max(1, TILE // block_n)
+        return Config(block_m, block_n, True, _warps(block_m * block_n))
+    return Config(1, LOOP_BLOCK_N, False, _warps(LOOP_BLOCK_N))
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    single: Config      # SINGLE_BLOCK: the one-kernel backward; else the row dot products
+    cols: Config | None  # the column sweep (None on the one-kernel path)
+    G: int              # rows of the (G, N) partial sums = programs along the rows
+
+
+def _sm_count() -> int:
+    if DEVICE.type == "cuda" and not INTERPRET:
+        return torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    return 2  # the interpreter runs programs one after another: a few suffice
+
+
+def backward_plan(M: int, N: int, element_size: int, partial_params: int, sms: int,
+                  col_block_n: int = COL_BLOCK_N) -> BackwardPlan:
+    """Tiling and number of partial-sum rows G of the backward (see :func:`_backward`).
+
+    G is bounded so that the partial sums (``partial_params`` of dγ, dβ; written once, read once
+    by the second stage, 4 bytes each) are at most MAX_PARTIAL_SHARE of the essential bytes
+    3·M·N·element_size; but at least enough programs (2 per SM, with the column blocks) to fill
+    the GPU when the batch is tiny (decode), where the buffer is small anyway.
+    """
+    block_n = triton.next_power_of_2(N)
+    single = block_n * element_size <= BWD_SINGLE_BYTES
+    if single:
+        block_m = max(1, BWD_TILE // block_n)
+        cfg, cols, n_col_blocks = Config(block_m, block_n, True, _warps(block_m * block_n)), None, 1
+        tiles = triton.cdiv(M, block_m)
+    else:
+        cfg = Config(1, LOOP_BLOCK_N // 2, False, _warps(LOOP_BLOCK_N // 2))
+        cols = Config(COL_BLOCK_M, col_block_n, False, max(1, _warps(COL_BLOCK_M * col_block_n) // 2))
+        n_col_blocks = triton.cdiv(N, col_block_n)
+        tiles = triton.cdiv(M, COL_BLOCK_M)
+    target = 2 * sms
+    g_fill = triton.cdiv(target, n_col_blocks)
+    if partial_params:
+        g_rule = int(MAX_PARTIAL_SHARE * 3 * M * element_size // (8 * partial_params))
+        G = min(max(g_rule, 1), target) if g_rule * n_col_blocks >= target else g_fill
+    else:
+        G = g_fill
+    return BackwardPlan(cfg, cols, max(1, min(G, tiles)))
+
+
+def partial_traffic(plan: BackwardPlan, N: int, partial_params: int) -> int:
+    """Bytes the (G, N) fp32 partial sums move: each written once and read once."""
+    return 2 * 4 * plan.G * N * partial_params
+
+
+# ---------------------------------------------------------------- forward
 
 @triton.jit
 def _layer_norm_fwd(
@@ -83,12 +192,15 @@ def _layer_norm_fwd(
     tl.store(Mean + rows, mean, mask=row_mask)
     tl.store(Rstd + rows, rstd, mask=row_mask)
 
-    for off in range(0, N, BLOCK_N):
+    num_blocks = tl.cdiv(N, BLOCK_N)
+    for i in range(0, num_blocks):
+        # Second read of a wide row in reverse order: the blocks read last by the first pass
+        # come first, while they are most likely still in L2.
+        off = (num_blocks - 1 - i) * BLOCK_N
         cols = off + tl.arange(0, BLOCK_N)
         col_mask = cols < N
         mask = row_mask[:, None] & col_mask[None, :]
         if not SINGLE_BLOCK:
-            # Second read of the row; on a GPU it mostly hits L2.
             x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(ACC)
         y = (x - mean[:, None]) * rstd[:, None]
         # The affine part is done in fp32 and rounded once, as torch.nn.functional.layer_norm does
@@ -111,18 +223,21 @@ def _forward(x2d: torch.Tensor, weight, bias, eps: float):
     if M == 0 or N == 0:
         fill = float("nan") if N == 0 else 0.0  # the mean of an empty row is 0/0
         return y, mean.fill_(fill), rstd.fill_(fill)
-    cfg = row_config(M, N, x2d.element_size())
+    cfg = forward_config(N, x2d.element_size())
     w = weight.contiguous() if weight is not None else x2d  # dummy pointer when HAS_WEIGHT is False
     b = bias.contiguous() if bias is not None else x2d      # dummy pointer when HAS_BIAS is False
-    _layer_norm_fwd[(triton.cdiv(M, cfg.BLOCK_M),)](
-        x2d, y, w, b, mean, rstd, x2d.stride(0), y.stride(0), M, N, eps,
-        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-        ACC=tl_accumulation_dtype(acc),
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, SINGLE_BLOCK=cfg.SINGLE_BLOCK,
-        num_warps=cfg.num_warps, **LAUNCH,
-    )
+    with device_guard(x2d):
+        _layer_norm_fwd[(triton.cdiv(M, cfg.BLOCK_M),)](
+            x2d, y, w, b, mean, rstd, x2d.stride(0), y.stride(0), M, N, eps,
+            HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+            ACC=tl_accumulation_dtype(acc),
+            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, SINGLE_BLOCK=cfg.SINGLE_BLOCK,
+            num_warps=cfg.num_warps, **LAUNCH,
+        )
     return y, mean, rstd
 
+
+# ---------------------------------------------------------------- backward
 
 @triton.jit
 def _layer_norm_bwd(
@@ -130,102 +245,134 @@ def _layer_norm_bwd(
     stride_x, stride_dy, stride_dx,    # distance between rows, in elements
     M, N, G,                    # rows, row length, programs (= rows of DW and DB)
     HAS_WEIGHT: tl.constexpr, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr, ACC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    # Rows that fit in one block: x and dy are read once, dγ/dβ stay in registers.
     pid = tl.program_id(0)
     num_tiles = tl.cdiv(M, BLOCK_M)
-    dw_row = DW + pid.to(tl.int64) * N  # this program's own rows of partial sums: no other program writes them
-    db_row = DB + pid.to(tl.int64) * N
-    if SINGLE_BLOCK:
-        cols = tl.arange(0, BLOCK_N)
-        col_mask = cols < N
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    if HAS_WEIGHT:
+        # γ is the same for every row: load it once per program.
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(ACC)
+    # dγ and dβ for this program's rows stay in registers until the end.
+    dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+    db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+    # Row tiles pid, pid + G, ...: a fixed assignment, so the partial sums are reproducible.
+    for tile in range(pid, num_tiles, G):
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < M
+        rows = rows.to(tl.int64)  # rows * stride can pass 2**31 on a large tensor
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(ACC)
+        # Saved by the forward: the backward needs no reduction over x of its own.
+        mean = tl.load(Mean + rows, mask=row_mask, other=0.0)
+        rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)  # padding stays 0, not -mean·rstd
         if HAS_WEIGHT:
-            # γ is the same for every row: load it once per program.
-            w = tl.load(W + cols, mask=col_mask, other=0.0).to(ACC)
-        # dγ and dβ for this program's rows stay in registers until the end.
-        dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
-        db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
-        # Row tiles pid, pid + G, ...: a fixed assignment, so the partial sums are reproducible.
-        for tile in range(pid, num_tiles, G):
-            rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-            row_mask = rows < M
-            rows = rows.to(tl.int64)  # rows * stride can pass 2**31 on a large tensor
-            mask = row_mask[:, None] & col_mask[None, :]
-            x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)
-            dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(ACC)
-            # Saved by the forward: the backward needs no reduction over x of its own.
-            mean = tl.load(Mean + rows, mask=row_mask, other=0.0)
-            rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)
-            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)  # padding stays 0, not -mean·rstd
-            if HAS_WEIGHT:
-                g = dy * w[None, :]
-            else:
-                g = dy
-            # Two dot products per row: the centering projection (mean of g) and the rank-one term.
-            g_mean = tl.sum(g, axis=1) / N
-            gx_mean = tl.sum(g * xhat, axis=1) / N
-            dx = (g - g_mean[:, None] - xhat * gx_mean[:, None]) * rstd[:, None]
-            tl.store(DX + rows[:, None] * stride_dx + cols[None, :], round_to(dx, DX.dtype.element_ty), mask=mask)
-            if COMPUTE_DW:
-                dw_acc += dy * xhat  # masked rows and columns add nothing
-            if COMPUTE_DB:
-                db_acc += dy
+            g = dy * w[None, :]
+        else:
+            g = dy
+        # Two dot products per row: the centering projection (mean of g) and the rank-one term.
+        g_mean = tl.sum(g, axis=1) / N
+        gx_mean = tl.sum(g * xhat, axis=1) / N
+        dx = (g - g_mean[:, None] - xhat * gx_mean[:, None]) * rstd[:, None]
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], round_to(dx, DX.dtype.element_ty), mask=mask)
         if COMPUTE_DW:
-            tl.store(dw_row + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+            dw_acc += dy * xhat  # masked rows and columns add nothing
         if COMPUTE_DB:
-            tl.store(db_row + cols, tl.sum(db_acc, axis=0), mask=col_mask)
-    else:
-        # Wider than a block (BLOCK_M == 1): two sweeps over the row, and the partials kept in this
-        # program's rows of DW and DB (zero-initialised by the launcher) instead of registers.
-        for tile in range(pid, num_tiles, G):
-            rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-            row_mask = rows < M
-            rows = rows.to(tl.int64)
-            mean = tl.load(Mean + rows, mask=row_mask, other=0.0)
-            rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)
-            # Sweep 1: both dot products, accumulated block by block.
-            acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
-            acc_gx = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
-            for off in range(0, N, BLOCK_N):
-                cols = off + tl.arange(0, BLOCK_N)
-                mask = row_mask[:, None] & (cols < N)[None, :]
-                x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)
-                g = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(ACC)
-                if HAS_WEIGHT:
-                    g = g * tl.load(W + cols, mask=cols < N, other=0.0).to(ACC)[None, :]
-                xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-                acc_g += g
-                acc_gx += g * xhat
-            g_mean = tl.sum(acc_g, axis=1) / N
-            gx_mean = tl.sum(acc_gx, axis=1) / N
-            # The previous row's partial-sum stores may come from other threads of this program:
-            # make them visible before sweep 2 reads them back.
-            tl.debug_barrier()
-            # Sweep 2: read the row again (mostly from L2 on a GPU) and write dx.
-            for off in range(0, N, BLOCK_N):
-                cols = off + tl.arange(0, BLOCK_N)
-                col_mask = cols < N
-                mask = row_mask[:, None] & col_mask[None, :]
-                x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)
-                dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(ACC)
-                xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-                if HAS_WEIGHT:
-                    g = dy * tl.load(W + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
-                else:
-                    g = dy
-                dx = (g - g_mean[:, None] - xhat * gx_mean[:, None]) * rstd[:, None]
-                tl.store(DX + rows[:, None] * stride_dx + cols[None, :], round_to(dx, DX.dtype.element_ty), mask=mask)
-                # Only this program touches its rows of DW and DB: load-add-store is race-free and ordered.
-                if COMPUTE_DW:
-                    part = tl.load(dw_row + cols, mask=col_mask, other=0.0)
-                    tl.store(dw_row + cols, part + tl.sum(dy * xhat, axis=0), mask=col_mask)
-                if COMPUTE_DB:
-                    part = tl.load(db_row + cols, mask=col_mask, other=0.0)
-                    tl.store(db_row + cols, part + tl.sum(dy, axis=0), mask=col_mask)
+            db_acc += dy
+    # Each partial is stored once, by the one program that owns this row of DW and DB.
+    if COMPUTE_DW:
+        tl.store(DW + pid.to(tl.int64) * N + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+    if COMPUTE_DB:
+        tl.store(DB + pid.to(tl.int64) * N + cols, tl.sum(db_acc, axis=0), mask=col_mask)
+
+
+@triton.jit
+def _layer_norm_bwd_dots(
+    X, W, Mean, Rstd, DY, Gmean, GXmean,  # pointers: ..., per-row mean(g) and mean(g ⊙ x̂) (out)
+    stride_x, stride_dy, M, N,
+    HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # Wide rows, step 1: each row's correction (two dot products) before any column is written.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    rows = rows.to(tl.int64)
+    mean = tl.load(Mean + rows, mask=row_mask, other=0.0)
+    rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+    acc_gx = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+    for off in range(0, N, BLOCK_N):
+        cols = off + tl.arange(0, BLOCK_N)
+        mask = row_mask[:, None] & (cols < N)[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)
+        g = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(ACC)
+        if HAS_WEIGHT:
+            g = g * tl.load(W + cols, mask=cols < N, other=0.0).to(ACC)[None, :]
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        acc_g += g
+        acc_gx += g * xhat
+    tl.store(Gmean + rows, tl.sum(acc_g, axis=1) / N, mask=row_mask)
+    tl.store(GXmean + rows, tl.sum(acc_gx, axis=1) / N, mask=row_mask)
+
+
+@triton.jit
+def _layer_norm_bwd_cols(
+    X, W, Mean, Rstd, Gmean, GXmean, DY, DX, DW, DB,  # DW, DB: (G, N) partial sums
+    stride_x, stride_dy, stride_dx, M, N, G,
+    HAS_WEIGHT: tl.constexpr, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # Wide rows, step 2: program (p, c) owns column block c of partial row p. It walks row tiles
+    # p, p + G, ... (a fixed assignment: reproducible sums), writes dx, and keeps dγ, dβ for its
+    # columns in registers, storing each partial once: no read-modify-write of DW, DB.
+    part = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(ACC)
+    dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+    db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+    for tile in range(part, tl.cdiv(M, BLOCK_M), G):
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < M
+        rows = rows.to(tl.int64)
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(ACC)
+        mean = tl.load(Mean + rows, mask=row_mask, other=0.0)
+        rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)
+        g_mean = tl.load(Gmean + rows, mask=row_mask, other=0.0)
+        gx_mean = tl.load(GXmean + rows, mask=row_mask, other=0.0)
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        if HAS_WEIGHT:
+            g = dy * w[None, :]
+        else:
+            g = dy
+        dx = (g - g_mean[:, None] - xhat * gx_mean[:, None]) * rstd[:, None]
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], round_to(dx, DX.dtype.element_ty), mask=mask)
+        if COMPUTE_DW:
+            dw_acc += dy * xhat
+        if COMPUTE_DB:
+            db_acc += dy
+    if COMPUTE_DW:
+        tl.store(DW + part.to(tl.int64) * N + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+    if COMPUTE_DB:
+        tl.store(DB + part.to(tl.int64) * N + cols, tl.sum(db_acc, axis=0), mask=col_mask)
 
 
 def _backward(dy2d, x2d, weight, bias, mean, rstd, compute_dw: bool, compute_db: bool):
-    """dx (shape of x2d, x's dtype), dγ and dβ (their parameter's dtype, or None) from the saved forward state."""
+    """dx (shape of x2d, x's dtype), dγ and dβ (their parameter's dtype, or None) from the saved
+    forward state.
+
+    Rows up to BWD_SINGLE_BYTES: one kernel; each of G programs reads its rows once and keeps
+    dγ, dβ in registers. Wider rows: first every row's two dot products (one kernel, one row per
+    program), then a (G, column blocks) grid writes dx and keeps dγ, dβ per column block in
+    registers. Either way each partial sum is written once, and :func:`kernels._reduce.sum_partials`
+    adds the G rows in a fixed order (deterministic); G is bounded by :func:`backward_plan`.
+    """
     M, N = x2d.shape
     dx = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)
     compute_dw = compute_dw and weight is not None
@@ -233,22 +380,40 @@ def _backward(dy2d, x2d, weight, bias, mean, rstd, compute_dw: bool, compute_db:
     if M == 0 or N == 0:
         # An empty sum is 0.
         return (dx, torch.zeros_like(weight) if compute_dw else None, torch.zeros_like(bias) if compute_db else None)
-    cfg = row_config(M, N, x2d.element_size())
-    G = num_partials(triton.cdiv(M, cfg.BLOCK_M))
-    # Partial sums, one row per program; zeros because the wide-row path accumulates into them.
-    dw_part = torch.zeros((G if compute_dw else 1, N), dtype=rstd.dtype, device=x2d.device)
-    db_part = torch.zeros((G if compute_db else 1, N), dtype=rstd.dtype, device=x2d.device)
+    plan = backward_plan(M, N, x2d.element_size(), int(compute_dw) + int(compute_db), _sm_count(),
+                         _RUN_COL_BLOCK_N)
+    G = plan.G
+    # Partial sums, one row per program along the rows; every element is written exactly once.
+    dw_part = torch.empty((G if compute_dw else 1, N), dtype=rstd.dtype, device=x2d.device)
+    db_part = torch.empty((G if compute_db else 1, N), dtype=rstd.dtype, device=x2d.device)
     w = weight.contiguous() if weight is not None else x2d  # dummy pointer when HAS_WEIGHT is False
-    _layer_norm_bwd[(G,)](
-        x2d, w, mean, rstd, dy2d, dx, dw_part, db_part,
-        x2d.stride(0), dy2d.stride(0), dx.stride(0), M, N, G,
-        HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db,
-        ACC=tl_accumulation_dtype(rstd.dtype),
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, SINGLE_BLOCK=cfg.SINGLE_BLOCK,
-        num_warps=cfg.num_warps, **LAUNCH,
-    )
-    dw = sum_partials(dw_part, weight.dtype) if compute_dw else None
-    db = sum_partials(db_part, bias.dtype) if compute_db else None
+    acc = tl_accumulation_dtype(rstd.dtype)
+    flags = dict(HAS_WEIGHT=weight is not None, ACC=acc)
+    with device_guard(x2d):
+        if plan.single.SINGLE_BLOCK:
+            cfg = plan.single
+            _layer_norm_bwd[(G,)](
+                x2d, w, mean, rstd, dy2d, dx, dw_part, db_part,
+                x2d.stride(0), dy2d.stride(0), dx.stride(0), M, N, G,
+                COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, **flags,
+                BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, num_warps=cfg.num_warps, **LAUNCH,
+            )
+        else:
+            dots, cols = plan.single, plan.cols
+            g_mean = torch.empty((M,), dtype=rstd.dtype, device=x2d.device)
+            gx_mean = torch.empty((M,), dtype=rstd.dtype, device=x2d.device)
+            _layer_norm_bwd_dots[(triton.cdiv(M, dots.BLOCK_M),)](
+                x2d, w, mean, rstd, dy2d, g_mean, gx_mean, x2d.stride(0), dy2d.stride(0), M, N,
+                **flags, BLOCK_M=dots.BLOCK_M, BLOCK_N=dots.BLOCK_N, num_warps=dots.num_warps, **LAUNCH,
+            )
+            _layer_norm_bwd_cols[(G, triton.cdiv(N, cols.BLOCK_N))](
+                x2d, w, mean, rstd, g_mean, gx_mean, dy2d, dx, dw_part, db_part,
+                x2d.stride(0), dy2d.stride(0), dx.stride(0), M, N, G,
+                COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, **flags,
+                BLOCK_M=cols.BLOCK_M, BLOCK_N=cols.BLOCK_N, num_warps=cols.num_warps, **LAUNCH,
+            )
+        dw = sum_partials(dw_part, weight.dtype) if compute_dw else None
+        db = sum_partials(db_part, bias.dtype) if compute_db else None
     return dx, dw, db
 
 

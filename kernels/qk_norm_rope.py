@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from . import _validate
-from ._config import (LAUNCH, MAX_FUSED_BYTES, RowConfig, accumulation_dtype, row_config,
+from ._config import (LAUNCH, MAX_FUSED_BYTES, MIN_TILE, RowConfig, accumulation_dtype,
                       tl_accumulation_dtype)
 from ._reduce import num_partials, sum_partials
 from ._runtime import device_guard
@@ -55,7 +55,8 @@ def _norm_rope_tile(
     x2 = tl.load(x_rows[:, None] + HALF + cols[None, :], mask=mask, other=0.0).to(ACC)
     # Statistics in fp32 (fp64 for fp64 input), over the whole head: both halves.
     mean_sq = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
-    rstd = 1.0 / tl.sqrt(mean_sq + eps)
+    # Padding rows of the last tile read as zeros: give them 1, not 1/0, when eps = 0.
+    rstd = 1.0 / tl.sqrt(tl.where(row_mask, mean_sq + eps, 1.0))
 
     # Qwen3RMSNorm: normalize in fp32, round to the input dtype, then multiply by the weight.
     # Each product of two half-precision values is exact in fp32, so rounding it once is exactly
@@ -117,7 +118,7 @@ def _forward(q, k, q_weight, k_weight, cos, sin, eps: float):
     Mq, Mk = B * S * Hq, B * S * Hk
     if Mq + Mk == 0:
         return q_out, k_out
-    cfg = row_config(max(Mq, Mk), D, q.element_size())
+    cfg = _forward_config(D)
     cos = cos.expand(B, S, D)  # a batch of 1 is broadcast with stride 0, without a copy
     sin = sin.expand(B, S, D)
     has_weight = q_weight is not None
@@ -238,13 +239,19 @@ def _qk_norm_rope_bwd(
                              HAS_WEIGHT, COMPUTE_DKW, ACC, BLOCK_M, BLOCK_HALF)
 
 
-def _backward_config(M: int, D: int, element_size: int) -> RowConfig:
+def _forward_config(D: int, tile: int = MIN_TILE) -> RowConfig:
+    """Rows of ``tile`` elements per program, from head_dim alone: never from the number of
+    rows, so a head is reduced in the same order whatever the batch and sequence length (batch
+    invariance: its output bits do not depend on the other tokens of the batch)."""
+    block_n = triton.next_power_of_2(D)
+    block_m = max(1, tile // block_n)
+    return RowConfig(block_m, block_n, True, min(max(block_m * block_n // 256, 1), 16))
+
+
+def _backward_config(D: int) -> RowConfig:
     """The forward's tiling at half the elements per program: the backward holds about twice
     as many values per element (x, dy, cos, sin and the dγ sums), and must not spill."""
-    cfg = row_config(M, D, element_size)
-    block_m = max(1, cfg.BLOCK_M // 2)
-    num_warps = min(max(block_m * cfg.BLOCK_N // 256, 1), 16)
-    return RowConfig(block_m, cfg.BLOCK_N, True, num_warps)
+    return _forward_config(D, MIN_TILE // 2)
 
 
 def _backward(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, eps, need_dqw, need_dkw):
@@ -260,7 +267,7 @@ def _backward(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, eps, need_dqw,
         # An empty sum is 0.
         return (dq, dk, torch.zeros_like(q_weight) if need_dqw else None,
                 torch.zeros_like(k_weight) if need_dkw else None)
-    cfg = _backward_config(max(Mq, Mk), D, q.element_size())
+    cfg = _backward_config(D)
     # A fixed number of programs per tensor (see kernels._reduce): deterministic dγ.
     Gq = num_partials(triton.cdiv(Mq, cfg.BLOCK_M))
     Gk = num_partials(triton.cdiv(Mk, cfg.BLOCK_M))
@@ -284,8 +291,8 @@ def _backward(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, eps, need_dqw,
             ACC=tl_accumulation_dtype(q.dtype), BLOCK_M=cfg.BLOCK_M, BLOCK_HALF=cfg.BLOCK_N // 2,
             num_warps=cfg.num_warps, **LAUNCH,
         )
-    dqw = sum_partials(dqw_part, q_weight.dtype) if need_dqw else None
-    dkw = sum_partials(dkw_part, k_weight.dtype) if need_dkw else None
+        dqw = sum_partials(dqw_part, q_weight.dtype) if need_dqw else None
+        dkw = sum_partials(dkw_part, k_weight.dtype) if need_dkw else None
     return dq, dk, dqw, dkw
 
 

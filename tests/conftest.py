@@ -46,6 +46,14 @@ def assert_close_to_reference(out, ref, dtype, weight_max=1.0, what="output"):
         )
 
 
+def on_cpu(*tensors):
+    """The one "compare on the CPU" helper: kernel results (on kernels.DEVICE) moved next to
+    references built on the CPU in float64, detached. One tensor in, one out; several, a tuple.
+    ``None`` stays ``None`` (e.g. a gradient that was not asked for)."""
+    out = tuple(t.detach().cpu() if isinstance(t, torch.Tensor) else t for t in tensors)
+    return out[0] if len(out) == 1 else out
+
+
 def randn(*shape, dtype=torch.float32, scale=1.0, generator=None):
     return (torch.randn(*shape, dtype=torch.float32, generator=generator) * scale).to(dtype).to(DEVICE)
 

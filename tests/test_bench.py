@@ -54,7 +54,9 @@ def test_smoke_run_covers_every_case_and_provider(smoke):
             assert mine[0]["status"] == "skipped" and mine[0]["note"]
             continue
         assert {r["provider"] for r in mine} == set(bench.PROVIDERS)
-        assert {r["N"] for r in mine} == set(bench.SMOKE_SWEEP)
+        assert {r["N"] for r in mine} == set(bench.SMOKE_SWEEP) | {n for _, n in bench.SMOKE_DECODE}
+        assert {r["regime"] for r in mine} == {"sweep", "decode"}
+        assert {(r["M"], r["N"]) for r in mine if r["regime"] == "decode"} == set(bench.SMOKE_DECODE)
         for r in mine:
             assert r["status"] in ("ok", "skipped", "error")
             if r["provider"] in ("kernels", "torch eager"):
@@ -179,3 +181,78 @@ def test_command_line_entry_point(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "fused_add_rms_norm.forward" in proc.stdout
     assert len(list(tmp_path.glob("*_smoke.json"))) == 1 and len(list(tmp_path.glob("*_smoke.csv"))) == 1
+
+
+def test_smoke_run_records_no_errors(smoke):
+    result, _, _ = smoke
+    assert result["errors"] == [] and result["failed"] is False
+    assert json.loads(result["json"].read_text())["errors"] == []
+
+
+def test_a_failing_row_is_reported_loudly(monkeypatch, tmp_path, capsys):
+    """A provider that raises is not a quiet "error" cell: it is printed on stderr, listed in the
+    JSON's "errors" section, and the command's exit status is 1."""
+
+    def broken(x, w):
+        raise RuntimeError("kernel exploded")
+
+    def build(M, N, dtype, device):
+        x, w = torch.randn(M, N, device=device, dtype=dtype), torch.randn(N, device=device, dtype=dtype)
+        return bench.Problem((x, w), bench.timing.bytes_moved(x, w, x), broken, bench.torch_rms_norm)
+
+    monkeypatch.setattr(bench.runner, "CASES", [bench.Case("broken", "forward", build)])
+    argv = ["--smoke", "--out", str(tmp_path), "--sizes", "256", "--no-decode", "--providers", "kernels,torch eager"]
+    result = bench.main(argv, log=lambda *_: None)
+    err = capsys.readouterr().err
+    assert "kernels.bench ERROR" in err and "kernel exploded" in err and "1 row(s) failed" in err
+    assert result["failed"] is True
+    assert [r["provider"] for r in json.loads(result["json"].read_text())["errors"]] == ["kernels"]
+    monkeypatch.setattr(sys, "argv", ["kernels.bench", *argv])
+    assert bench.runner.cli() == 1
+
+
+def test_only_liger_failing_does_not_fail_the_run():
+    rows = [{"provider": "liger", "status": "error", "check": ""},
+            {"provider": "kernels", "status": "ok", "check": "ok"}]
+    assert bench.errors_of(rows) == rows[:1] and bench.failing(rows[:1]) == []
+    mismatch = {"provider": "kernels", "status": "ok", "check": "MISMATCH (max error 0.5)"}
+    assert bench.failing(bench.errors_of([mismatch])) == [mismatch]
+
+
+def test_compiled_backward_is_timed_again_and_again(monkeypatch):
+    """torch.compile's backward is timed on one graph (retain_graph) like every provider: with
+    AOTAutograd's donated buffers turned off for it (torch >= 2.6 refuses retain_graph on a graph
+    whose saved tensors were donated). "aot_eager": the same AOTAutograd, without a C++ compiler."""
+    monkeypatch.setattr(bench.runner, "COMPILE_BACKEND", "aot_eager")
+    problem = bench.build_rms_norm(4, 256, torch.float32, DEVICE, backward=True)
+    case = bench.Case("rms_norm", "backward", lambda *a: problem)
+    calls = []
+
+    def timer(fn):
+        for _ in range(3):  # three backward passes on the same graph
+            fn()
+        calls.append(torch._functorch.config.donated_buffer)
+        return 1.0
+
+    rows = bench.run_problem(case, problem, 4, 256, ["torch.compile"], timer, 1.0, torch.float32, compile_ok=True)
+    assert rows[0]["status"] == "ok" and rows[0]["check"] == "ok", rows[0]
+    assert calls == [False]
+    assert torch._functorch.config.donated_buffer is True  # restored after the provider ran
+
+
+def test_compile_sizes_limits_where_torch_compile_is_timed(monkeypatch):
+    problem_calls = []
+
+    def build(M, N, dtype, device):
+        problem_calls.append(N)
+        return _problem(lambda x, w: bench.torch_rms_norm(x, w))
+
+    monkeypatch.setattr(bench.runner, "run_problem",
+                        lambda case, problem, M, N, providers, timer, copy, dtype, compile_ok:
+                        [bench.runner._row(case, "torch.compile", M=M, N=N, ms=1.0, **{"GB/s": 1.0},
+                                           status="ok" if compile_ok else "skipped")])
+    rows = bench.run([bench.Case("x", "forward", build)], [256, 512], elements=512, dtype=torch.float32,
+                     providers=["torch.compile"], timer=None, copy_gbps=1.0, compile_ok=True,
+                     log=lambda *_: None, decode=[(1, 256)], compile_sizes={512})
+    assert [(r["N"], r["regime"], r["status"]) for r in rows] == [
+        (256, "sweep", "skipped"), (512, "sweep", "ok"), (256, "decode", "skipped")]

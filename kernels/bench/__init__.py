@@ -5,7 +5,7 @@
 
 It measures the device-to-device copy bandwidth (the memory-bound speed of light), then runs every
 benchmark case over a sweep of hidden sizes N = 256 … 262,144 with many rows (M·N = 2**26 elements
-per row-sized tensor), in bf16 (fp16 on GPUs without bf16), for each provider: this package's
+per row-sized tensor) and at decode shapes (M = 1, 8, 64 rows of N = 4096 and 8192), in bf16 (fp16 on GPUs without bf16), for each provider: this package's
 Triton kernel, the PyTorch formula in eager mode and under ``torch.compile``, and Liger-Kernel when
 it is installed. For every (case, N, provider) it records milliseconds (``triton.testing.do_bench``:
 warm-up, median, L2 flushed), the bytes the case must move (from the tensors' sizes), GB/s and the
@@ -22,6 +22,11 @@ On a CPU there is no GPU timer. ``--smoke`` then times with the wall clock, in T
 interpreter, only to exercise the code path; it writes to a temporary folder (or ``--out``), never
 to ``data/bench/``, and marks its files ``"smoke": true`` so that no reader mistakes them for GPU
 figures. A full run without a GPU is refused.
+
+A row that fails (a provider raising, or a result that does not match eager PyTorch) is printed
+on stderr, listed under ``"errors"`` in the JSON, and makes ``python -m kernels.bench`` exit with
+status 1 (unless only Liger failed). Modules: :mod:`.cases` (shapes, bytes, providers),
+:mod:`.runner` (timing, checks, command line), :mod:`.report` (files, reading runs back).
 """
 
 from .cases import *  # noqa: F401,F403

@@ -1,6 +1,8 @@
-"""python -m kernels.bench"""
+"""python -m kernels.bench: see kernels/bench/__init__.py."""
 
-from .runner import main
+import sys
+
+from .runner import cli
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

@@ -30,6 +30,7 @@ GQA_GROUP = 4                            # qk_norm_rope: query heads per key hea
 # Decode: a few rows (tokens) of a model's hidden size, where a GPU must be filled from few rows.
 DECODE_M = (1, 8, 64)
 DECODE_N = (4096, 8192)
+SMOKE_DECODE = [(1, 1024)]         # the smoke run's decode shape: one row
 PROVIDERS = ["kernels", "torch eager", "torch.compile", "liger"]
 DO_BENCH = "triton.testing.do_bench (warm-up, median of many runs, L2 flushed before each)"
 WALL_CLOCK = "wall clock in Triton's CPU interpreter (smoke run: exercises the code, not a GPU figure)"

@@ -12,7 +12,7 @@ from .cases import CASES, DATA_DIR, DO_BENCH, PROVIDERS, TARGET_MIN_N, TARGETS
 
 # ---------------------------------------------------------------- files
 
-CSV_FIELDS = ["kernel", "direction", "provider", "M", "N", "shape", "dtype", "bytes", "ms", "GB/s", "pct_of_copy",
+CSV_FIELDS = ["kernel", "direction", "provider", "regime", "M", "N", "shape", "dtype", "bytes", "ms", "GB/s", "pct_of_copy",
               "status", "check", "note", "gpu", "torch", "triton", "date", "copy_GB/s", "smoke"]
 
 
@@ -20,12 +20,13 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower() or "device"
 
 
-def write_results(out_dir: pathlib.Path, prov: dict, copy: dict, rows: list[dict]) -> tuple[pathlib.Path, pathlib.Path]:
+def write_results(out_dir: pathlib.Path, prov: dict, copy: dict, rows: list[dict],
+                  errors: list[dict] = ()) -> tuple[pathlib.Path, pathlib.Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = prov["date"].replace(":", "").replace("-", "").replace("+0000", "Z")
     stem = f"{stamp}_{_slug(prov['gpu'])}" + ("_smoke" if prov["smoke"] else "")
     json_path, csv_path = out_dir / f"{stem}.json", out_dir / f"{stem}.csv"
-    json_path.write_text(json.dumps({"provenance": prov, "copy": copy, "results": rows}, indent=1) + "\n")
+    json_path.write_text(json.dumps({"provenance": prov, "copy": copy, "results": rows, "errors": list(errors)}, indent=1) + "\n")
     with csv_path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
         writer.writeheader()
@@ -69,7 +70,8 @@ def label(run_: dict) -> str:
 def summary(run_: dict) -> list[dict]:
     """Per case and provider: the lowest % of copy bandwidth for N >= TARGET_MIN_N, and whether
     the Triton kernel is at least as fast as torch.compile on every shape."""
-    ok = [r for r in run_["results"] if r["status"] == "ok"]
+    # The sweep's rows (many rows per shape); decode shapes are read separately.
+    ok = [r for r in run_["results"] if r["status"] == "ok" and r.get("regime", "sweep") in ("sweep", "")]
     out = []
     for kernel, direction in dict.fromkeys((r["kernel"], r["direction"]) for r in ok):
         case = next((c for c in CASES if c.kernel == kernel and c.direction == direction), None)
@@ -93,7 +95,7 @@ def plot_run(run_: dict):
     """One panel per case: GB/s against N for every provider, the copy bandwidth as a line."""
     import matplotlib.pyplot as plt
 
-    ok = [r for r in run_["results"] if r["status"] == "ok"]
+    ok = [r for r in run_["results"] if r["status"] == "ok" and r.get("regime", "sweep") in ("sweep", "")]
     cases = list(dict.fromkeys((r["kernel"], r["direction"]) for r in ok))
     cols = min(3, max(1, len(cases)))
     rows_ = math.ceil(len(cases) / cols) if cases else 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import importlib
 import importlib.util
@@ -21,8 +22,8 @@ import torch
 
 from .. import timing
 from .._runtime import DEVICE, INTERPRET, default_dtype, device_name
-from .cases import (CASES, DATA_DIR, DECODE_M, DECODE_N, DO_BENCH, ELEMENTS, PROVIDERS, ROOT, SMOKE_ELEMENTS,
-                    SMOKE_SWEEP, SWEEP, WALL_CLOCK, Case, Problem, Skip)
+from .cases import (CASES, DATA_DIR, DECODE_M, DECODE_N, DO_BENCH, ELEMENTS, PROVIDERS, ROOT, SMOKE_DECODE,
+                    SMOKE_ELEMENTS, SMOKE_SWEEP, SWEEP, WALL_CLOCK, Case, Problem, Skip)
 from .report import write_results
 
 # ---------------------------------------------------------------- timing one problem
@@ -130,16 +131,37 @@ def provenance(argv: list[str], smoke: bool, dtype: torch.dtype) -> dict:
 
 
 def _row(case: Case, provider: str, M=None, N=None, **kw) -> dict:
-    row = {"kernel": case.kernel, "direction": case.direction, "provider": provider, "M": M, "N": N,
+    row = {"kernel": case.kernel, "direction": case.direction, "provider": provider, "regime": "", "M": M, "N": N,
            "shape": "", "bytes": None, "ms": None, "GB/s": None, "pct_of_copy": None,
            "status": "ok", "check": "", "note": ""}
     row.update(kw)
     return row
 
 
+#: torch.compile's backend; the tests use "aot_eager" (the same AOTAutograd, no C++ compiler).
+COMPILE_BACKEND = "inductor"
+
+
+@contextlib.contextmanager
+def _no_donated_buffers():
+    """torch.compile's backward is timed as every provider's is: the forward runs once, then the
+    backward again and again on the same graph (``retain_graph=True``). Since torch 2.6 AOTAutograd
+    may *donate* the activations saved for a compiled backward to it (the backward reuses their
+    memory) and then refuses ``retain_graph``; the rows became "error". We turn donation off
+    (``torch._functorch.config.donated_buffer = False``) rather than recompute the forward in every
+    timed call, which would time forward + backward for this provider alone. Donation saves memory,
+    not bytes moved: the backward reads and writes the same tensors either way."""
+    config = getattr(getattr(torch, "_functorch", None), "config", None)
+    if config is not None and hasattr(config, "donated_buffer"):
+        with config.patch(donated_buffer=False):
+            yield
+    else:
+        yield
+
+
 def _compiled(formula):
     torch._dynamo.reset()  # a fresh cache per shape: no recompile limit, no silent fall-back to eager
-    return torch.compile(formula, dynamic=False)
+    return torch.compile(formula, dynamic=False, backend=COMPILE_BACKEND)
 
 
 def run_problem(case: Case, problem: Problem, M: int, N: int, providers: list[str], timer, copy_gbps,
@@ -170,14 +192,15 @@ def run_problem(case: Case, problem: Problem, M: int, N: int, providers: list[st
         else:
             raise ValueError(f"unknown provider {provider!r}")
         try:
-            timed, results = _timed_call(fn, problem)
-            check = ""
-            if want is None:
-                check = "no eager reference"
-            else:
-                err = _max_rel_err(results(), want)
-                check = "ok" if err <= check_tolerance(dtype) else f"MISMATCH (max error {err:.3g} of the largest value)"
-            ms = float(timer(timed))
+            with _no_donated_buffers() if provider == "torch.compile" else contextlib.nullcontext():
+                timed, results = _timed_call(fn, problem)
+                check = ""
+                if want is None:
+                    check = "no eager reference"
+                else:
+                    err = _max_rel_err(results(), want)
+                    check = "ok" if err <= check_tolerance(dtype) else f"MISMATCH (max error {err:.3g} of the largest value)"
+                ms = float(timer(timed))
         except Exception as exc:  # one provider failing (e.g. Liger beyond 64 KB rows) must not stop the sweep
             rows.append(_row(case, provider, **base, status="error", note=f"{type(exc).__name__}: {str(exc)[:200]}"))
             continue
@@ -188,11 +211,13 @@ def run_problem(case: Case, problem: Problem, M: int, N: int, providers: list[st
 
 
 def run(cases: list[Case], sizes: list[int], *, elements: int, dtype: torch.dtype, providers: list[str],
-        timer, copy_gbps: float, compile_ok: bool, log=print) -> list[dict]:
+        timer, copy_gbps: float, compile_ok: bool, log=print, decode=(), compile_sizes=None) -> list[dict]:
+    """Every case at every shape: (elements // N, N) for N in ``sizes``, then the ``decode`` (M, N).
+    ``compile_sizes``: the N at which torch.compile is timed (None: all); it compiles once per shape."""
     rows = []
+    shapes = [(max(1, elements // N), N, "sweep") for N in sizes] + [(M, N, "decode") for M, N in decode]
     for case in cases:
-        for N in sizes:
-            M = max(1, elements // N)
+        for M, N, regime in shapes:
             try:
                 problem = case.build(M, N, dtype, DEVICE)
             except (Skip, ImportError, AttributeError) as exc:  # a kernel (or its backward) not written yet
@@ -200,17 +225,33 @@ def run(cases: list[Case], sizes: list[int], *, elements: int, dtype: torch.dtyp
                 log(f"{case.name:<28} skipped: {exc}")
                 break  # the same reason holds for every size
             except Exception as exc:
-                rows.append(_row(case, "all", M=M, N=N, status="error", note=f"{type(exc).__name__}: {str(exc)[:200]}"))
+                rows.append(_row(case, "all", M=M, N=N, regime=regime, status="error",
+                                 note=f"{type(exc).__name__}: {str(exc)[:200]}"))
                 log(f"{case.name:<28} N={N:<7} error: {type(exc).__name__}: {str(exc)[:120]}")
                 continue
-            new = run_problem(case, problem, M, N, providers, timer, copy_gbps, dtype, compile_ok)
-            rows.extend(new)
+            allowed = compile_ok and (compile_sizes is None or N in compile_sizes)
+            new = run_problem(case, problem, M, N, providers, timer, copy_gbps, dtype, allowed)
             for r in new:
+                r["regime"] = regime
+                if r["provider"] == "torch.compile" and compile_ok and not allowed:
+                    r["note"] = "torch.compile not timed at this N (--compile-sizes)"
                 log(format_row(r))
+            rows.extend(new)
             del problem
             if DEVICE.type == "cuda":
                 torch.cuda.empty_cache()
     return rows
+
+
+def errors_of(rows: list[dict]) -> list[dict]:
+    """Rows that failed: a provider that raised, or a result that does not match eager PyTorch."""
+    return [r for r in rows if r["status"] == "error" or str(r.get("check", "")).startswith("MISMATCH")]
+
+
+def failing(errors: list[dict]) -> list[dict]:
+    """The errors that make the run fail. A Liger kernel failing (e.g. beyond its row-width limit)
+    is third-party: listed loudly, but not ours to fix."""
+    return [r for r in errors if r["provider"] != "liger"]
 
 
 def format_row(r: dict) -> str:
@@ -231,6 +272,8 @@ def parse_args(argv):
     ap.add_argument("--sizes", help="comma-separated hidden sizes N (default 256 … 262144, powers of two)")
     ap.add_argument("--elements", type=int, help="elements per row-sized tensor, M = elements // N (default 2**26)")
     ap.add_argument("--providers", help=f"comma-separated subset of {','.join(PROVIDERS)}")
+    ap.add_argument("--no-decode", action="store_true", help="skip the decode shapes (M = 1, 8, 64 rows)")
+    ap.add_argument("--compile-sizes", help="comma-separated N at which torch.compile is timed (default: every N)")
     ap.add_argument("--copy-mb", type=float, help="size of the copy that measures the bandwidth, MiB (default 256)")
     return ap.parse_args(argv)
 
@@ -271,9 +314,26 @@ def main(argv: list[str] | None = None, log=print) -> dict:
     log(f"{prov['gpu']} · torch {prov['torch']} · triton {prov['triton']} · {prov['dtype']} · {prov['timer']}")
     copy = timing.copy_bandwidth(copy_bytes, timer=timer)
     log(f"device-to-device copy of {copy_bytes / 2**20:.0f} MiB: {copy['ms']:.4f} ms, {copy['GB/s']:.1f} GB/s")
+    decode = [] if args.no_decode else (SMOKE_DECODE if args.smoke else [(m, n) for n in DECODE_N for m in DECODE_M])
+    compile_sizes = {int(s) for s in args.compile_sizes.split(",")} if args.compile_sizes else None
+    prov.update({"decode": decode, "compile_sizes": sorted(compile_sizes) if compile_sizes else "all"})
     rows = run(cases, sizes, elements=elements, dtype=dtype, providers=providers, timer=timer,
-               copy_gbps=copy["GB/s"], compile_ok=on_gpu, log=log)
-    json_path, csv_path = write_results(out, prov, copy, rows)
+               copy_gbps=copy["GB/s"], compile_ok=on_gpu, log=log, decode=decode, compile_sizes=compile_sizes)
+    errors = errors_of(rows)
+    json_path, csv_path = write_results(out, prov, copy, rows, errors)
     log(f"wrote {json_path} and {csv_path.name}")
-    return {"provenance": prov, "copy": copy, "results": rows, "json": json_path, "csv": csv_path}
+    # Loudly: every failed row on stderr, and in the JSON's "errors" section.
+    for r in errors:
+        print(f"kernels.bench ERROR: {format_row(r)}", file=sys.stderr)
+    bad = failing(errors)
+    if errors:
+        print(f"kernels.bench: {len(errors)} row(s) failed, {len(bad)} of them ours or PyTorch's "
+              f"(see 'errors' in {json_path})", file=sys.stderr)
+    return {"provenance": prov, "copy": copy, "results": rows, "errors": errors, "failed": bool(bad),
+            "json": json_path, "csv": csv_path}
+
+
+def cli() -> int:
+    """``python -m kernels.bench``: exit status 1 when a row of ours or PyTorch's failed."""
+    return 1 if main()["failed"] else 0
 
