@@ -2,9 +2,23 @@ r"""RMSNorm forward and backward as Triton kernels, differentiable through ``tor
 
 .. math:: y_i = \gamma_i \, \frac{x_i}{\sqrt{\tfrac1n \sum_k x_k^2 + \epsilon}}
 
-Forward: one program normalizes ``BLOCK_M`` rows. A row that fits in one block (``N`` up to 16K
-fp32 / 32K half-precision elements) is read from memory once and kept in registers; a wider row
-is reduced in a loop over blocks and read a second time to write the output.
+Forward: one program normalizes ``BLOCK_M`` rows. A row that fits in one block (``N`` up to
+8192 elements, :func:`kernels._config.rms_config`) is read from memory once and kept in
+registers; a wider row is reduced in a loop over blocks and read a second time to write the
+output. Tiles depend on N and the dtype only, never on the number of rows M, so a row's bits do
+not depend on its batch (batch invariance).
+
+Rows of 64K elements and more: we make the second read hit L2 rather than split a row over
+programs. The second sweep walks the row's blocks last to first, so that it starts with the
+blocks read most recently, the likeliest to be still in L2. Splitting a row over several
+programs with a two-kernel reduction would read the row twice from memory as well (the second
+kernel starts after the first has streamed every row through L2); reading it exactly once needs
+the programs of a row to share their sums on chip (thread-block clusters, sm_90 only), which
+Triton does not expose. At the benchmark's widest shape (256 rows of 262,144) the grid has 256
+programs of 16 warps for 132 SMs: every SM has work. Decode shapes (1-64 rows of 4096-8192)
+move at most 1 MiB, less than what a GPU streams during one kernel launch's latency (we expect
+such launches to be latency-bound: more programs cannot make them faster), so they keep one
+program per row tile.
 
 Backward (vector-Jacobian product, per row, with :math:`\hat x = x/r` and :math:`g = \gamma \odot dy`):
 
@@ -12,7 +26,15 @@ Backward (vector-Jacobian product, per row, with :math:`\hat x = x/r` and :math:
           d\gamma = \textstyle\sum_\text{rows} dy \odot \hat x .
 
 dx is computed row by row like the forward; dγ is reduced over rows deterministically in two
-stages (see :mod:`kernels._reduce`).
+stages (see :mod:`kernels._reduce`): a fixed number G of programs each store one row of a
+(G, N) buffer of partial sums, once (no read-modify-write), and a small kernel adds the rows.
+G is chosen so that this buffer's traffic is at most 5 % of the bytes the backward moves anyway
+(:func:`backward_plan`). Rows up to 4096 elements are handled whole by one program, which keeps
+x, dy, γ and its dγ partial sums in registers. Wider rows take two steps: one program per row
+computes the correction :math:`c = \tfrac1n \sum_k \hat x_k g_k`, then program (p, j) writes dx
+for column block j of the row tiles p, p + G, ... with that block's dγ partial sums in
+registers. x and dy are read twice on that path, as they were by the single-program two-sweep
+loop it replaces; what goes is the per-row read-modify-write of the partial buffer.
 
 Conventions (``casting_mode``, ``offset``; the names are Liger-Kernel's). The scale is
 :math:`\gamma' = \text{offset} + \gamma` (Gemma stores γ around 0 and uses offset 1):
