@@ -50,3 +50,37 @@ def tl_accumulation_dtype(dtype: torch.dtype):
 # memory-bound, so the FMAs given up cost no time we expect to measure. Saying it explicitly
 # also silences Triton 3.9's "TRITON_DEFAULT_FP_FUSION is unset" warning.
 LAUNCH = {"enable_fp_fusion": False}
+
+
+# ---------------------------------------------------------------- the RMSNorm family
+#
+# rms_norm and fused_add_rms_norm choose their tiles from N and the dtype only, never from M:
+# the shape of a tile decides how the GPU splits a row's sum over threads, so a configuration
+# that followed M would give a row different bits in a batch of 1 and a batch of 4096 (batch
+# invariance). The limits keep every variant free of register spills and above one CTA per SM
+# (python -m kernels.inspect): a single-block row tile holds at most RMS_FWD_MAX_BLOCK
+# elements in the forward (x only) and RMS_BWD_MAX_BLOCK in the backward (x, dy, γ and the dγ
+# partial sums at once), spread over 16 warps: at most 16 (forward) or 8 (backward) fp32
+# values per thread and per array.
+RMS_FWD_MAX_BLOCK = 8192
+RMS_BWD_MAX_BLOCK = 4096
+# Wider rows: the forward loops over blocks of RMS_LOOP_BLOCK_N; the backward sweeps column
+# blocks of RMS_BWD_COL_BLOCK, RMS_BWD_COL_ROWS rows at a time (kernels.rms_norm).
+RMS_LOOP_BLOCK_N = 4096
+RMS_BWD_COL_BLOCK = 1024
+RMS_BWD_COL_ROWS = 4
+
+
+def rms_config(N: int, element_size: int, backward: bool = False) -> RowConfig:
+    """Launch configuration of the RMSNorm family's forward (or backward) for rows of N elements.
+
+    A function of N and the element size only (see above). fp64 (gradient checks) halves the
+    single-block limit: its values take two registers each."""
+    block_n = triton.next_power_of_2(max(N, 1))
+    limit = (RMS_BWD_MAX_BLOCK if backward else RMS_FWD_MAX_BLOCK) // max(1, element_size // 4)
+    single = block_n <= limit
+    if not single:
+        block_n = RMS_BWD_COL_BLOCK if backward else RMS_LOOP_BLOCK_N
+    block_m = max(MIN_TILE // block_n, 1) if single else (RMS_BWD_COL_ROWS if backward else 1)
+    num_warps = min(max(block_m * block_n // 256, 1), 16)
+    return RowConfig(block_m, block_n, single, num_warps)

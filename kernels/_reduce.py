@@ -36,6 +36,32 @@ def num_partials(num_tiles: int) -> int:
     return max(1, min(num_tiles, cap))
 
 
+#: The RMSNorm family bounds G so that the partial sums' traffic (each written once and read once,
+#: in the accumulation dtype) is at most this share of the bytes its backward moves anyway.
+MAX_PARTIAL_SHARE = 0.05
+
+
+def partial_traffic_bytes(G: int, N: int, acc_size: int = 4) -> int:
+    """Bytes the (G, N) buffer of partial sums costs: written once by the kernel, read once by
+    :func:`sum_partials`."""
+    return 2 * G * N * acc_size
+
+
+def num_partials_within(num_tiles: int, N: int, essential_bytes: int, acc_size: int = 4,
+                        col_blocks: int = 1, sms: int | None = None) -> int:
+    """Rows of partial sums for a backward whose essential traffic is ``essential_bytes``.
+
+    The largest G with ``partial_traffic_bytes(G) <= MAX_PARTIAL_SHARE * essential_bytes``,
+    and no more than the programs that fill the GPU (``PROGRAMS_PER_SM`` per SM, counting the
+    ``col_blocks`` programs that share a row of partial sums) or the row tiles there are.
+    ``sms`` overrides the device's SM count (for byte-count tests of other GPUs)."""
+    budget = int(MAX_PARTIAL_SHARE * essential_bytes) // partial_traffic_bytes(1, N, acc_size)
+    if sms is None and DEVICE.type == "cuda" and not INTERPRET:
+        sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    cap = INTERPRETER_PROGRAMS if sms is None else max(1, PROGRAMS_PER_SM * sms // col_blocks)
+    return max(1, min(num_tiles, cap, budget))
+
+
 @triton.jit
 def _sum_partials(
     P, Out,                     # pointers: (G, N) partial sums, (N,) result

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from . import _validate
-from ._config import LAUNCH, accumulation_dtype, row_config, tl_accumulation_dtype
+from ._config import LAUNCH, accumulation_dtype, rms_config, tl_accumulation_dtype
 from ._runtime import device_guard
 from ._triton_utils import round_to
 from .rms_norm import LLAMA, _backward, _normalize, _rstd, _square, check_convention
@@ -99,7 +99,7 @@ def _forward(x2d: torch.Tensor, r2d: torch.Tensor, weight, eps: float, offset: f
     rstd = torch.empty((M,), dtype=acc, device=x2d.device)
     if M == 0 or N == 0:
         return y, h, rstd.fill_(float("nan") if N == 0 else 0.0)
-    cfg = row_config(M, N, x2d.element_size())
+    cfg = rms_config(N, x2d.element_size())
     w = weight.contiguous() if weight is not None else x2d  # dummy pointer when HAS_WEIGHT is False
     with device_guard(x2d):
         _fused_add_rms_norm_fwd[(triton.cdiv(M, cfg.BLOCK_M),)](

@@ -2,9 +2,23 @@ r"""RMSNorm forward and backward as Triton kernels, differentiable through ``tor
 
 .. math:: y_i = \gamma_i \, \frac{x_i}{\sqrt{\tfrac1n \sum_k x_k^2 + \epsilon}}
 
-Forward: one program normalizes ``BLOCK_M`` rows. A row that fits in one block (``N`` up to 16K
-fp32 / 32K half-precision elements) is read from memory once and kept in registers; a wider row
-is reduced in a loop over blocks and read a second time to write the output.
+Forward: one program normalizes ``BLOCK_M`` rows. A row that fits in one block (``N`` up to
+8192 elements, :func:`kernels._config.rms_config`) is read from memory once and kept in
+registers; a wider row is reduced in a loop over blocks and read a second time to write the
+output. Tiles depend on N and the dtype only, never on the number of rows M, so a row's bits do
+not depend on its batch (batch invariance).
+
+Rows of 64K elements and more: we make the second read hit L2 rather than split a row over
+programs. The second sweep walks the row's blocks last to first, so that it starts with the
+blocks read most recently, the likeliest to be still in L2. Splitting a row over several
+programs with a two-kernel reduction would read the row twice from memory as well (the second
+kernel starts after the first has streamed every row through L2); reading it exactly once needs
+the programs of a row to share their sums on chip (thread-block clusters, sm_90 only), which
+Triton does not expose. At the benchmark's widest shape (256 rows of 262,144) the grid has 256
+programs of 16 warps for 132 SMs: every SM has work. Decode shapes (1-64 rows of 4096-8192)
+move at most 1 MiB, less than what a GPU streams during one kernel launch's latency (we expect
+such launches to be latency-bound: more programs cannot make them faster), so they keep one
+program per row tile.
 
 Backward (vector-Jacobian product, per row, with :math:`\hat x = x/r` and :math:`g = \gamma \odot dy`):
 
@@ -12,7 +26,15 @@ Backward (vector-Jacobian product, per row, with :math:`\hat x = x/r` and :math:
           d\gamma = \textstyle\sum_\text{rows} dy \odot \hat x .
 
 dx is computed row by row like the forward; dγ is reduced over rows deterministically in two
-stages (see :mod:`kernels._reduce`).
+stages (see :mod:`kernels._reduce`): a fixed number G of programs each store one row of a
+(G, N) buffer of partial sums, once (no read-modify-write), and a small kernel adds the rows.
+G is chosen so that this buffer's traffic is at most 5 % of the bytes the backward moves anyway
+(:func:`backward_plan`). Rows up to 4096 elements are handled whole by one program, which keeps
+x, dy, γ and its dγ partial sums in registers. Wider rows take two steps: one program per row
+computes the correction :math:`c = \tfrac1n \sum_k \hat x_k g_k`, then program (p, j) writes dx
+for column block j of the row tiles p, p + G, ... with that block's dγ partial sums in
+registers. x and dy are read twice on that path, as they were by the single-program two-sweep
+loop it replaces; what goes is the per-row read-modify-write of the partial buffer.
 
 Conventions (``casting_mode``, ``offset``; the names are Liger-Kernel's). The scale is
 :math:`\gamma' = \text{offset} + \gamma` (Gemma stores γ around 0 and uses offset 1):
@@ -44,8 +66,9 @@ import triton
 import triton.language as tl
 
 from . import _validate
-from ._config import LAUNCH, accumulation_dtype, row_config, tl_accumulation_dtype
-from ._reduce import num_partials, sum_partials
+from ._config import (LAUNCH, RMS_LOOP_BLOCK_N, accumulation_dtype, rms_config,
+                      tl_accumulation_dtype)
+from ._reduce import num_partials_within, partial_traffic_bytes, sum_partials
 from ._runtime import device_guard
 from ._triton_utils import round_to
 
@@ -85,9 +108,19 @@ def _square(x, DT: tl.constexpr, MODE: tl.constexpr):
 
 
 @triton.jit
+def _mean(total, N):
+    """total / N correctly rounded (div_rn; a plain fp32 ``/`` lowers to the approximate
+    ``div.full.f32`` on a GPU, which the interpreter would not reproduce)."""
+    if total.dtype == tl.float64:
+        return total / N  # div.rn.f64: IEEE already
+    else:
+        return tl.math.div_rn(total, tl.zeros_like(total) + N)
+
+
+@triton.jit
 def _rstd(sum_sq, N, eps, row_mask, DT: tl.constexpr, MODE: tl.constexpr):
     """1 / sqrt(sum_sq / N + eps), IEEE (sqrt_rn, div_rn): the same bits on a GPU and here."""
-    ms = _round_if(sum_sq / N, DT, MODE == 2)
+    ms = _round_if(_mean(sum_sq, N), DT, MODE == 2)
     # Padding rows of the last tile read as zeros: give them 1, not 1/0, when eps = 0.
     v = tl.where(row_mask, _round_if(ms + eps, DT, MODE == 2), 1.0)
     if v.dtype == tl.float64:
@@ -148,11 +181,13 @@ def _rms_norm_fwd(
     rstd = _rstd(sum_sq, N, eps, row_mask, DT, MODE)
     tl.store(Rstd + rows, rstd, mask=row_mask)
 
-    for off in range(0, N, BLOCK_N):
-        cols = off + tl.arange(0, BLOCK_N)
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    for i in range(0, n_blocks):
+        # Backwards: the blocks read last are the likeliest to be still in L2.
+        cols = (n_blocks - 1 - i) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = row_mask[:, None] & (cols < N)[None, :]
         if not SINGLE_BLOCK:
-            # Second read of the row; on a GPU it mostly hits L2.
+            # Second read of the row, last block first (see the module docstring).
             x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(ACC)
         w = x  # placeholder when there is no weight (never read)
         if HAS_WEIGHT:
@@ -169,7 +204,7 @@ def _forward(x2d: torch.Tensor, weight, eps: float, offset: float = 0.0, mode: i
     rstd = torch.empty((M,), dtype=acc, device=x2d.device)
     if M == 0 or N == 0:
         return y, rstd.fill_(float("nan") if N == 0 else 0.0)
-    cfg = row_config(M, N, x2d.element_size())
+    cfg = rms_config(N, x2d.element_size())
     w = weight.contiguous() if weight is not None else x2d  # dummy pointer when HAS_WEIGHT is False
     with device_guard(x2d):
         _rms_norm_fwd[(triton.cdiv(M, cfg.BLOCK_M),)](
@@ -187,86 +222,123 @@ def _rms_norm_bwd(
     stride_x, stride_dy, stride_dh, stride_dx,  # distance between rows, in elements
     M, N, G, offset,            # rows, row length, programs (= rows of DW), γ' = offset + γ
     HAS_WEIGHT: tl.constexpr, HAS_DH: tl.constexpr, COMPUTE_DW: tl.constexpr, ACC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """Rows that fit in one block: each program reads whole rows once and keeps dγ in registers."""
     pid = tl.program_id(0)
     num_tiles = tl.cdiv(M, BLOCK_M)
-    dw_row = DW + pid.to(tl.int64) * N  # this program's own row of partial sums: no other program writes it
-    if SINGLE_BLOCK:
-        cols = tl.arange(0, BLOCK_N)
-        col_mask = cols < N
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    if HAS_WEIGHT:
+        # γ is the same for every row: load it once per program.
+        w = offset + tl.load(W + cols, mask=col_mask, other=0.0).to(ACC)
+    # dγ for this program's rows stays in registers until the end.
+    dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+    # Row tiles pid, pid + G, ...: a fixed assignment, so the dγ partial sums are reproducible.
+    for tile in range(pid, num_tiles, G):
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < M
+        rows = rows.to(tl.int64)  # rows * stride can pass 2**31 on a large tensor
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(ACC)
+        rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)  # saved by the forward: no second reduction
+        xhat = x * rstd[:, None]
         if HAS_WEIGHT:
-            # γ is the same for every row: load it once per program.
-            w = offset + tl.load(W + cols, mask=col_mask, other=0.0).to(ACC)
-        # dγ for this program's rows stays in registers until the end.
-        dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
-        # Row tiles pid, pid + G, ...: a fixed assignment, so the dγ partial sums are reproducible.
-        for tile in range(pid, num_tiles, G):
-            rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-            row_mask = rows < M
-            rows = rows.to(tl.int64)  # rows * stride can pass 2**31 on a large tensor
-            mask = row_mask[:, None] & col_mask[None, :]
-            x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)
-            dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(ACC)
-            rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)  # saved by the forward: no second reduction
-            xhat = x * rstd[:, None]
-            if HAS_WEIGHT:
-                g = dy * w[None, :]
-            else:
-                g = dy
-            # The rank-one part of the Jacobian needs one dot product per row: c = mean(x̂ ⊙ g).
-            c = tl.sum(xhat * g, axis=1) / N
-            dx = (g - xhat * c[:, None]) * rstd[:, None]
-            if HAS_DH:
-                # fused_add_rms_norm: the gradient reaching h = x + r directly adds to the norm's.
-                dx += tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(ACC)
-            tl.store(DX + rows[:, None] * stride_dx + cols[None, :], round_to(dx, DX.dtype.element_ty), mask=mask)
-            if COMPUTE_DW:
-                dw_acc += dy * xhat  # masked rows and columns load as 0 and add nothing
+            g = dy * w[None, :]
+        else:
+            g = dy
+        # The rank-one part of the Jacobian needs one dot product per row: c = mean(x̂ ⊙ g).
+        c = _mean(tl.sum(xhat * g, axis=1), N)
+        dx = (g - xhat * c[:, None]) * rstd[:, None]
+        if HAS_DH:
+            # fused_add_rms_norm: the gradient reaching h = x + r directly adds to the norm's.
+            dx += tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(ACC)
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], round_to(dx, DX.dtype.element_ty), mask=mask)
         if COMPUTE_DW:
-            tl.store(dw_row + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
-    else:
-        # Wider than a block (BLOCK_M == 1): two sweeps over the row, and dγ partials kept in
-        # this program's row of DW (zero-initialised by the launcher) instead of registers.
-        for tile in range(pid, num_tiles, G):
-            rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-            row_mask = rows < M
-            rows = rows.to(tl.int64)
-            rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)
-            # Sweep 1: the dot product c = mean(x̂ ⊙ g), accumulated block by block.
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
-            for off in range(0, N, BLOCK_N):
-                cols = off + tl.arange(0, BLOCK_N)
-                mask = row_mask[:, None] & (cols < N)[None, :]
-                x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)
-                dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(ACC)
-                if HAS_WEIGHT:
-                    dy = dy * (offset + tl.load(W + cols, mask=cols < N, other=0.0).to(ACC))[None, :]
-                acc += x * rstd[:, None] * dy
-            c = tl.sum(acc, axis=1) / N
-            # The previous row's partial-sum stores may come from other threads of this program:
-            # make them visible before sweep 2 reads them back.
-            tl.debug_barrier()
-            # Sweep 2: read the row again (mostly from L2 on a GPU) and write dx.
-            for off in range(0, N, BLOCK_N):
-                cols = off + tl.arange(0, BLOCK_N)
-                col_mask = cols < N
-                mask = row_mask[:, None] & col_mask[None, :]
-                x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)
-                dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(ACC)
-                xhat = x * rstd[:, None]
-                if HAS_WEIGHT:
-                    g = dy * (offset + tl.load(W + cols, mask=col_mask, other=0.0).to(ACC))[None, :]
-                else:
-                    g = dy
-                dx = (g - xhat * c[:, None]) * rstd[:, None]
-                if HAS_DH:
-                    dx += tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(ACC)
-                tl.store(DX + rows[:, None] * stride_dx + cols[None, :], round_to(dx, DX.dtype.element_ty), mask=mask)
-                if COMPUTE_DW:
-                    # Only this program touches its row of DW, so load-add-store is race-free and ordered.
-                    part = tl.load(dw_row + cols, mask=col_mask, other=0.0)
-                    tl.store(dw_row + cols, part + tl.sum(dy * xhat, axis=0), mask=col_mask)
+            dw_acc += dy * xhat  # masked rows and columns load as 0 and add nothing
+    if COMPUTE_DW:
+        # Each program's row of partial sums is stored once: no read-modify-write.
+        tl.store(DW + pid.to(tl.int64) * N + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+
+
+@triton.jit
+def _rms_norm_bwd_dot(
+    X, W, Rstd, DY, C,          # pointers: input, weight, 1/rms, upstream grad, per-row correction
+    stride_x, stride_dy,        # distance between rows, in elements
+    N, offset,                  # row length, γ' = offset + γ
+    HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Wide rows, step 1: each row's correction c = mean(x̂ ⊙ γ' ⊙ dy), one program per row."""
+    row = tl.program_id(0).to(tl.int64)
+    rstd = tl.load(Rstd + row)
+    acc = tl.zeros([BLOCK_N], dtype=ACC)
+    for off in range(0, N, BLOCK_N):
+        cols = off + tl.arange(0, BLOCK_N)
+        mask = cols < N
+        xhat = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(ACC) * rstd
+        g = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(ACC)
+        if HAS_WEIGHT:
+            g = g * (offset + tl.load(W + cols, mask=mask, other=0.0).to(ACC))
+        acc += xhat * g
+    # The order of this sum depends on N only: a row's dx does not depend on the batch.
+    tl.store(C + row, _mean(tl.sum(acc, axis=0), N))
+
+
+@triton.jit
+def _rms_norm_bwd_cols(
+    X, W, Rstd, C, DY, DH, DX, DW,  # pointers: ..., per-row correction (step 1), ..., (G, N) dγ partials
+    stride_x, stride_dy, stride_dh, stride_dx,  # distance between rows, in elements
+    M, N, G, offset,            # rows, row length, programs per column block (= rows of DW), γ' = offset + γ
+    HAS_WEIGHT: tl.constexpr, HAS_DH: tl.constexpr, COMPUTE_DW: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Wide rows, step 2: program (p, j) writes dx for column block j of row tiles p, p + G, ...
+    and keeps that block's dγ partial sums in registers: each partial is stored once."""
+    pid = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    if HAS_WEIGHT:
+        w = offset + tl.load(W + cols, mask=col_mask, other=0.0).to(ACC)
+    dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+    for tile in range(pid, tl.cdiv(M, BLOCK_M), G):
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < M
+        rows = rows.to(tl.int64)
+        mask = row_mask[:, None] & col_mask[None, :]
+        rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)
+        c = tl.load(C + rows, mask=row_mask, other=0.0)
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(ACC)
+        xhat = x * rstd[:, None]
+        if HAS_WEIGHT:
+            g = dy * w[None, :]
+        else:
+            g = dy
+        dx = (g - xhat * c[:, None]) * rstd[:, None]
+        if HAS_DH:
+            dx += tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(ACC)
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], round_to(dx, DX.dtype.element_ty), mask=mask)
+        if COMPUTE_DW:
+            dw_acc += dy * xhat
+    if COMPUTE_DW:
+        tl.store(DW + pid.to(tl.int64) * N + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+
+
+def backward_plan(M: int, N: int, element_size: int, weight_size: int = 0, acc_size: int = 4,
+                  sms: int | None = None):
+    """(config, G, column blocks, essential bytes, partial-sum bytes) of the backward at (M, N).
+
+    Essential bytes: what any backward must move (x and dy read, dx written, γ read and dγ
+    written when there is a weight). The partial sums of dγ add ``2·G·N·acc_size`` (written
+    once, read once); G is bounded so that this stays within ``MAX_PARTIAL_SHARE`` of the
+    essential bytes (kernels._reduce.num_partials_within)."""
+    cfg = rms_config(N, element_size, backward=True)
+    col_blocks = 1 if cfg.SINGLE_BLOCK else triton.cdiv(N, cfg.BLOCK_N)
+    essential = 3 * M * N * element_size + 2 * N * weight_size
+    G = num_partials_within(triton.cdiv(M, cfg.BLOCK_M), N, essential, acc_size, col_blocks, sms)
+    partial = partial_traffic_bytes(G, N, acc_size) if weight_size else 0
+    return cfg, G, col_blocks, essential, partial
 
 
 def _backward(dy2d: torch.Tensor, x2d: torch.Tensor, weight, rstd: torch.Tensor, compute_dw: bool,
@@ -281,21 +353,29 @@ def _backward(dy2d: torch.Tensor, x2d: torch.Tensor, weight, rstd: torch.Tensor,
     if M == 0 or N == 0:
         dw = torch.zeros_like(weight) if compute_dw else None  # an empty sum is 0
         return dx, dw
-    cfg = row_config(M, N, x2d.element_size())
-    G = num_partials(triton.cdiv(M, cfg.BLOCK_M))
-    # Partial sums of dγ, one row per program; zeros because the wide-row path accumulates into them.
-    partial = torch.zeros((G if compute_dw else 1, N), dtype=rstd.dtype, device=x2d.device)
+    cfg, G, col_blocks, _, _ = backward_plan(
+        M, N, x2d.element_size(), weight.element_size() if compute_dw else 0, rstd.element_size())
+    # Partial sums of dγ, one row per program (per column block): each written exactly once.
+    partial = torch.empty((G if compute_dw else 1, N), dtype=rstd.dtype, device=x2d.device)
     w = weight.contiguous() if weight is not None else x2d  # dummy pointer when HAS_WEIGHT is False
     dh = dh2d if dh2d is not None else dy2d  # dummy pointer when HAS_DH is False
+    flags = dict(HAS_WEIGHT=weight is not None, HAS_DH=dh2d is not None, COMPUTE_DW=compute_dw,
+                 ACC=tl_accumulation_dtype(rstd.dtype), BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
+                 num_warps=cfg.num_warps, **LAUNCH)
+    strides = (x2d.stride(0), dy2d.stride(0), dh.stride(0), dx.stride(0))
     with device_guard(x2d):
-        _rms_norm_bwd[(G,)](
-            x2d, w, rstd, dy2d, dh, dx, partial,
-            x2d.stride(0), dy2d.stride(0), dh.stride(0), dx.stride(0), M, N, G, offset,
-            HAS_WEIGHT=weight is not None, HAS_DH=dh2d is not None, COMPUTE_DW=compute_dw,
-            ACC=tl_accumulation_dtype(rstd.dtype),
-            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, SINGLE_BLOCK=cfg.SINGLE_BLOCK,
-            num_warps=cfg.num_warps, **LAUNCH,
-        )
+        if cfg.SINGLE_BLOCK:
+            _rms_norm_bwd[(G,)](x2d, w, rstd, dy2d, dh, dx, partial, *strides, M, N, G, offset,
+                                **flags)
+        else:
+            # Step 1: every row's correction; step 2: column blocks with dγ in registers.
+            c = torch.empty((M,), dtype=rstd.dtype, device=x2d.device)
+            _rms_norm_bwd_dot[(M,)](
+                x2d, w, rstd, dy2d, c, x2d.stride(0), dy2d.stride(0), N, offset,
+                HAS_WEIGHT=weight is not None, ACC=flags["ACC"], BLOCK_N=RMS_LOOP_BLOCK_N,
+                num_warps=RMS_LOOP_BLOCK_N // 256, **LAUNCH)
+            _rms_norm_bwd_cols[(G, col_blocks)](
+                x2d, w, rstd, c, dy2d, dh, dx, partial, *strides, M, N, G, offset, **flags)
     dw = sum_partials(partial, weight.dtype) if compute_dw else None
     return dx, dw
 

@@ -88,7 +88,7 @@ def test_gradcheck_float64_wide_rows_fast_mode():
     random projections uᵀJv instead of the full 16400 x 16400 Jacobian."""
     x = randn(2, 8200, dtype=torch.float64).requires_grad_()
     w = randn(8200, dtype=torch.float64).requires_grad_()
-    assert rms_mod.row_config(2, 8200, 8).SINGLE_BLOCK is False
+    assert rms_mod.rms_config(8200, 8, backward=True).SINGLE_BLOCK is False
     assert torch.autograd.gradcheck(lambda a, b: rms_norm(a, b, 1e-6), (x, w), fast_mode=True)
 
 
@@ -159,7 +159,7 @@ def test_dweight_is_bitwise_deterministic(dtype, m, n):
 
 
 def test_two_stage_reduction_uses_a_fixed_number_of_programs(monkeypatch):
-    """More row tiles than programs: each program loops over tiles p, p + G, ... (G from num_partials)."""
+    """More row tiles than programs: each program loops over tiles p, p + G, ... (G from backward_plan)."""
     launches = []
     real = rms_mod.sum_partials
 
@@ -169,8 +169,8 @@ def test_two_stage_reduction_uses_a_fixed_number_of_programs(monkeypatch):
 
     monkeypatch.setattr(rms_mod, "sum_partials", spy)
     run_backward(randn(64, 300), randn(300), randn(64, 300), 1e-6)
-    cfg = rms_mod.row_config(64, 300, 4)
-    assert launches == [(rms_mod.num_partials(64 // cfg.BLOCK_M), 300)]
+    cfg, G, _, _, _ = rms_mod.backward_plan(64, 300, 4, 4)
+    assert launches == [(G, 300)] and G < 64 // cfg.BLOCK_M
 
 
 def test_no_grad_path_saves_nothing(monkeypatch):

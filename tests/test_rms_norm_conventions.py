@@ -3,11 +3,13 @@
 ``casting_mode`` decides where the result is rounded to the input dtype and ``offset`` shifts
 the weight (γ' = offset + γ). Each convention is checked against its float64 model with the
 roundings written out (``reference.rms_norm_rounded``). For fp16/bf16 the kernel's only other
-error is its fp32 statistics (relative ≲ 1e-5, see conftest.norm_tolerance), which can move a value that
-lies within 1e-5 of a rounding boundary to the neighbouring representable number. So every
-element is within one unit in the last place (2u relative) of the model, and nearly all are
-equal. For ``"none"`` the model's statistics are rounded to the dtype too, and one ulp of rstd
-moves y by one more ulp. For fp32 outputs the statistics' error is of the size of an fp32 ulp,
+error is its fp32 statistics (relative ≲ 1e-7 on these sizes), which can move a value that lies that close
+to a rounding boundary to the neighbouring representable number: rarely (a probability of about
+1e-7 / u per rounding), and never by more than one ulp per rounding it crosses. Measured in
+units of 2u·|y| (at least one ulp): gemma rounds once (1); llama's first rounding may flip x̂
+by an ulp, which moves the product by up to one more before its own rounding (2); ``"none"``
+also rounds its statistics, so an rstd one ulp off (2u relative) moves x·rstd by up to 2u,
+then two more roundings (3). Nearly all elements are equal: at most 1 % (or 3) differ. For fp32 outputs the statistics' error is of the size of an fp32 ulp,
 so RMSNorm's own tolerance applies (conftest.norm_tolerance).
 """
 
@@ -30,7 +32,8 @@ def assert_within_ulps(got, model, dtype, ulps, min_equal):
     bound = ulps * 2 * UNIT_ROUNDOFF[dtype] * model.abs() + ulps * tiny
     err = (got64 - model).abs()
     assert bool((err <= bound).all()), f"max error {err.max().item():.3g} beyond {ulps} ulp"
-    assert (got64 == model).double().mean().item() >= min_equal
+    unequal = (got64 != model).sum().item()
+    assert unequal <= max((1 - min_equal) * model.numel(), 3), unequal
 
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
@@ -44,7 +47,7 @@ def test_each_convention_matches_its_rounding_model(dtype, mode, n, poison_empty
         # fp32 statistics err by as much as an fp32 ulp: RMSNorm's own tolerance applies
         assert_close_to_reference(y, model, dtype, weight_max=1.0 + w.abs().max().item())
     else:
-        ulps = 2 if mode == "none" else 1  # "none": one ulp of rstd, one of y (docstring)
+        ulps = {"gemma": 1, "llama": 2, "none": 3}[mode]  # see the module docstring
         assert_within_ulps(y, model, dtype, ulps, 0.99)
     # and the fused kernel computes the same on h = x + r, bit for bit
     r = randn(6, n, dtype=dtype)
@@ -106,9 +109,9 @@ def test_gemma_matches_gemma3_rmsnorm_bit_for_bit(dtype):
         expected = module(x)
     got = rms_norm(x, module.weight.detach(), 0.0, offset=1.0, casting_mode="gemma")
     assert torch.equal(got.cpu(), expected.cpu())
-    # llama's extra rounding of x̂ is visible on the same inputs (γ ≠ 0)
-    llama = rms_norm(x, module.weight.detach() + 1.0, 0.0)
-    assert dtype == torch.float32 or not torch.equal(llama.cpu(), expected.cpu())
+    # offset=1.0 is not the same as passing weight + 1: that sum is rounded to the dtype first
+    shifted = rms_norm(x, module.weight.detach() + 1.0, 0.0, casting_mode="gemma")
+    assert dtype == torch.float32 or not torch.equal(shifted.cpu(), expected.cpu())
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
