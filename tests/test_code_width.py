@@ -2,8 +2,7 @@
 
 The book's text column holds about 88 characters of code at desktop width (measured in Chromium at
 1366 px, see test_pages.py). Every code cell of every chapter in _toc.yml is checked, chapters added
-later included. The chapters written before this rule get reformatted in one pass; until then this
-test is expected to fail (xfail, not strict, so that it turns green by itself).
+later included (all of them fit since norm_placement and qwen3_block were reformatted).
 """
 
 import json
@@ -27,7 +26,6 @@ def long_lines(path):
     return out
 
 
-@pytest.mark.xfail(strict=False, reason="until the reformat of the existing chapters to 88 columns")
 @pytest.mark.parametrize("path", chapter_notebooks(), ids=lambda p: p.stem)
 def test_chapter_code_fits_88_columns(path):
     bad = long_lines(path)
