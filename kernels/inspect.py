@@ -537,7 +537,12 @@ def _child(argv: list[str]) -> int:
                             if a.ptx and "ptx" in info:
                                 row["ptx"] = info["ptx"]
                             rows.append(row)
+    import datetime
+
     meta = {"triton": triton.__version__, "torch": torch.__version__, "latency_ns": a.latency_ns,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "note": "compiled on a CPU for the target GPU; every column but 'predicted' is the "
+                    "compiler's output, 'predicted' is a model, not a measurement",
             "gpus": {str(k): asdict(GPUS[k]) for k in archs},
             "littles_per_sm": {str(k): littles_law_bytes(GPUS[k], a.latency_ns) for k in archs}}
     pathlib.Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows}))
