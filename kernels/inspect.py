@@ -559,7 +559,7 @@ def _child_env() -> dict:
 
 
 def run_inspector(archs=(90,), dtypes=DTYPES, shapes="all", calls=None, latency_ns=LATENCY_NS,
-                  ptx=False, timeout=3600, jobs=None) -> dict:
+                  ptx=False, timeout=4 * 3600, jobs=None) -> dict:
     """Run the inspector in a child process; returns ``{"meta": ..., "rows": [...]}``.
 
     ``shapes``: "all", "bench", "decode", or a list of (label, M, N). ``calls``: names such as
