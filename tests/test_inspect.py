@@ -31,17 +31,24 @@ PATHS = [("rms_norm", "forward"), ("rms_norm", "backward"), ("layer_norm", "forw
          ("row_variance.welford.bf16acc", "forward")]
 
 #: Today's failures, one entry per (check, arch, call, phase). Each is an expected failure that
-#: must fail (strict): when a redesign fixes it the test turns red until its entry is removed.
-#: Measured on the kernels of main at c3ad806 (triton 3.9.0): the backward kernels keep a whole
-#: row of x, dy (and γ) in registers and spill from N = 16,384 (fp32) / 32,768 (half); the
-#: LayerNorm forward spills at N = 32,768 in half precision.
+#: must fail (strict): when a redesign fixes it, the test turns red until its entry is removed.
+#: Measured on the kernels of main at c3ad806 (triton 3.9.0), identical on sm_90, sm_80, sm_75:
+#: - spills: the backward kernels keep whole rows of x, dy, γ and the dγ accumulator in registers
+#:   (RMSNorm from N = 16,384; LayerNorm likewise; a few bytes in the looped path too); the
+#:   LayerNorm forward at N = 32,768 in half precision; row_variance's one-pass and Welford kernels
+#:   at N = 16,384…32,768 (Welford also at N = 512 in half precision).
+#: - vector: qk_norm_rope loads q, k, cos and sin 64 bits at a time (each half of a head
+#:   separately, for the rotation), not 128.
 KNOWN_TO_FAIL = {
-    ("spills", 90, "rms_norm", "backward"), ("spills", 80, "rms_norm", "backward"),
-    ("spills", 75, "rms_norm", "backward"),
-    ("spills", 90, "layer_norm", "backward"), ("spills", 80, "layer_norm", "backward"),
-    ("spills", 75, "layer_norm", "backward"),
-    ("spills", 90, "layer_norm", "forward"), ("spills", 80, "layer_norm", "forward"),
-    ("spills", 75, "layer_norm", "forward"),
+    (check, arch, call, phase)
+    for arch in ARCHS
+    for check, call, phase in [
+        ("spills", "rms_norm", "backward"), ("spills", "layer_norm", "backward"),
+        ("spills", "layer_norm", "forward"), ("spills", "row_variance.one_pass", "forward"),
+        ("spills", "row_variance.welford", "forward"),
+        ("spills", "row_variance.welford.bf16acc", "forward"),
+        ("vector", "qk_norm_rope", "forward"),
+    ]
 }
 
 
