@@ -271,6 +271,9 @@ def _fake_cuda(arch: int) -> None:
     torch.cuda.get_device_name = lambda *a, **k: props.name
 
 
+#: data_ptr of every row-sized tensor the current call was given (x, dy, a residual, q, k, ...)
+_INPUTS: set[int] = set()
+
 TORCH_TO_TRITON = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64"}
 
 
@@ -301,8 +304,8 @@ class _Capture:
         options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
         grid = grid(bound) if callable(grid) else grid
         grid = tuple(grid) + (1,) * (3 - len(grid))
-        tensors = {k: {"shape": list(v.shape), "dtype": TORCH_TO_TRITON.get(str(v.dtype).replace("torch.", ""),
-                                                                             str(v.dtype))}
+        tensors = {k: {"shape": list(v.shape), "input": v.data_ptr() in _INPUTS,
+                       "dtype": TORCH_TO_TRITON.get(str(v.dtype).replace("torch.", ""), str(v.dtype))}
                    for k, v in bound.items() if isinstance(v, torch.Tensor)}
         ints = {k: v for k, v in bound.items() if isinstance(v, int) and not isinstance(v, bool)}
         consts = {str(k[0] if isinstance(k, tuple) and len(k) == 1 else k): v for k, v in constexprs.items()}
@@ -366,7 +369,10 @@ def _calls(label: str, M: int, N: int, dtype: str, which: set[str] | None):
 
     def empty(*shape, grad=False):
         # Uninitialized and never touched: nothing runs, so a 2**26-element input costs no time.
-        return torch.empty(*shape, dtype=dt).requires_grad_(grad)
+        t = torch.empty(*shape, dtype=dt).requires_grad_(grad)
+        if len(shape) >= 2:
+            _INPUTS.add(t.data_ptr())
+        return t
 
     def pair(fn, make_inputs, grad_args=()):
         """(forward, backward): the call without gradients, and, when the function is
@@ -385,7 +391,9 @@ def _calls(label: str, M: int, N: int, dtype: str, which: set[str] | None):
             outs = [o for o in (outs if isinstance(outs, tuple) else (outs,)) if o.grad_fn is not None]
             yield
             if outs:
-                torch.autograd.backward(outs, [torch.empty_like(o) for o in outs])
+                grads = [torch.empty_like(o) for o in outs]  # dy: an input of the backward
+                _INPUTS.update(g.data_ptr() for g in grads)
+                torch.autograd.backward(outs, grads)
         return forward, backward
 
     def rows_and(vectors):
@@ -451,7 +459,9 @@ def _row(launch: dict, info: dict, gpu: GPU, arch: int, label: str, M: int, N: i
         "spill_loads": info["spill_loads"], "smem": smem,
         "loads": {k: sorted(v) for k, v in sorted(loads.items())},
         "stores": {k: sorted(v) for k, v in sorted(stores.items())},
-        "row_args": sorted(rows_like), "math": info["math"],
+        # The row-sized inputs of the public call (x, dy, a residual, q, k, cos, sin), as passed:
+        # the tensors whose load width the tests check (not the kernels' own buffers).
+        "row_args": sorted(k for k in rows_like if tensors[k].get("input")), "math": info["math"],
         "ctas_per_sm": ctas, "occupancy_limit": limiter, "waves": round(waves, 3),
         "in_flight_per_sm": round(in_flight), "littles_per_sm": round(need),
         "predicted": round(min(1.0, in_flight / need) * wave_eff, 3) if need else None,
@@ -508,6 +518,7 @@ def _child(argv: list[str]) -> int:
                     for phase, fn in (("forward", forward), ("backward", backward)):
                         if fn is None:
                             continue
+                        _INPUTS.clear()
                         capture.launches, capture.phase = [], "forward"
                         with torch.no_grad() if phase == "forward" else torch.enable_grad():
                             gen = fn()
@@ -526,7 +537,12 @@ def _child(argv: list[str]) -> int:
                             if a.ptx and "ptx" in info:
                                 row["ptx"] = info["ptx"]
                             rows.append(row)
+    import datetime
+
     meta = {"triton": triton.__version__, "torch": torch.__version__, "latency_ns": a.latency_ns,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "note": "compiled on a CPU for the target GPU; every column but 'predicted' is the "
+                    "compiler's output, 'predicted' is a model, not a measurement",
             "gpus": {str(k): asdict(GPUS[k]) for k in archs},
             "littles_per_sm": {str(k): littles_law_bytes(GPUS[k], a.latency_ns) for k in archs}}
     pathlib.Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows}))
@@ -543,7 +559,7 @@ def _child_env() -> dict:
 
 
 def run_inspector(archs=(90,), dtypes=DTYPES, shapes="all", calls=None, latency_ns=LATENCY_NS,
-                  ptx=False, timeout=3600, jobs=None) -> dict:
+                  ptx=False, timeout=4 * 3600, jobs=None) -> dict:
     """Run the inspector in a child process; returns ``{"meta": ..., "rows": [...]}``.
 
     ``shapes``: "all", "bench", "decode", or a list of (label, M, N). ``calls``: names such as
