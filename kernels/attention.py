@@ -138,7 +138,7 @@ def tile_config(head_dim: int, dtype: torch.dtype, capability=None):
     Chosen so that ``ptxas -v`` reports no register spills on sm_90a, sm_80 and sm_75 (checked
     with Triton 3.9 for head_dim 16, 64 and 128, causal with window). fp16/bf16 on
     sm_80+ use tensor cores: 64 queries × 64 keys (32 keys above head_dim 64), 8 warps
-    from head_dim 64 up. fp32 (IEEE, no
+    above head_dim 32 (BLOCK_D 64 and 128). fp32 (IEEE, no
     TF32) and every dtype on sm_75 (where this Triton emits no tensor-core code for these tiles)
     multiply with FMAs and hold whole tiles per thread: smaller tiles.
     """
