@@ -406,6 +406,14 @@ def _calls(label: str, M: int, N: int, dtype: str, which: set[str] | None):
         return [empty(1, M, hq, d, grad=0 in g), empty(1, M, hk, d, grad=1 in g), empty(d, grad=2 in g),
                 empty(d, grad=3 in g), empty(1, M, d), empty(1, M, d)]
 
+    def attention_inputs(g):
+        # one sequence of M tokens; N // HEAD_DIM query heads, grouped as in the benchmark
+        hq = max(1, N // cases.HEAD_DIM)
+        hk = max(1, hq // cases.GQA_GROUP)
+        d = cases.HEAD_DIM
+        return [empty(1, hq, M, d, grad=0 in g), empty(1, hk, M, d, grad=1 in g),
+                empty(1, hk, M, d, grad=2 in g)]
+
     out = {
         "rms_norm": pair(kernels.rms_norm, rows_and(1), (0, 1)),
         "layer_norm": pair(kernels.layer_norm, rows_and(2), (0, 1, 2)),
@@ -413,6 +421,12 @@ def _calls(label: str, M: int, N: int, dtype: str, which: set[str] | None):
                                    lambda g: [empty(M, N, grad=0 in g), empty(M, N, grad=1 in g),
                                               empty(N, grad=2 in g)], (0, 1, 2)),
         "qk_norm_rope": pair(kernels.qk_norm_rope, qk_inputs, (0, 1, 2, 3)),
+        "softmax": pair(kernels.softmax, rows_and(0), (0,)),
+        "cross_entropy": pair(kernels.cross_entropy,
+                              lambda g: [empty(M, N, grad=0 in g), torch.zeros(M, dtype=torch.int64)],
+                              (0,)),
+        "attention": pair(lambda q, k, v: kernels.attention(q, k, v, causal=True),
+                          attention_inputs, (0, 1, 2)),
     }
     for method in ("two_pass", "one_pass", "welford"):
         out[f"row_variance.{method}"] = (lambda m=method: kernels.row_variance(empty(M, N), method=m), None)
