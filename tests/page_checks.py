@@ -96,7 +96,7 @@ async () => {
 
 # Code blocks (chapter source and shown kernels) whose content is wider than their box.
 SCROLLING_CODE_JS = r"""
-() => [...document.querySelectorAll("main div.cell_input pre, main div.highlight pre")]
+() => [...document.querySelectorAll("main div.cell_input pre")]
   .filter(p => p.scrollWidth > p.clientWidth + 1)
   .map(p => ({over: p.scrollWidth - p.clientWidth, first: p.textContent.split("\n")[0].slice(0, 60)}))
 """
