@@ -12,5 +12,6 @@ from .qk_norm_rope import qk_norm_rope  # noqa: F401
 from .fused_add_rms_norm import fused_add_rms_norm  # noqa: F401
 from .layer_norm import layer_norm  # noqa: F401
 from .row_stats import row_variance  # noqa: F401
+from .sampling import sample  # noqa: F401
 
-__all__ = ["DEVICE", "HAS_CUDA", "INTERPRET", "default_dtype", "device_name", "rms_norm", "layer_norm", "fused_add_rms_norm", "qk_norm_rope", "row_variance"]
+__all__ = ["DEVICE", "HAS_CUDA", "INTERPRET", "default_dtype", "device_name", "rms_norm", "layer_norm", "fused_add_rms_norm", "qk_norm_rope", "row_variance", "sample"]

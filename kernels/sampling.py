@@ -181,12 +181,16 @@ def _forward(x2d, rowmax, seed, inv_temp, top_k, top_p, log_min_p, *, greedy, bl
     # Registers hold the fp32 z and its int32 key: size the tile by 4-byte elements.
     cfg = row_config(M, N, 4)
     block_m, single = cfg.BLOCK_M, cfg.SINGLE_BLOCK
-    if INTERPRET and single:
+    block_n_cfg = cfg.BLOCK_N
+    if INTERPRET:
         # The interpreter pays per operation, not per element: give it 64K-element tiles. The
         # draws do not depend on the tiling (the Philox counter is the element's index).
-        block_m = min(triton.next_power_of_2(M), max(65536 // cfg.BLOCK_N, 1))
+        if single:
+            block_m = min(triton.next_power_of_2(M), max(65536 // block_n_cfg, 1))
+        else:
+            block_n_cfg = 65536
     if block_n is None:
-        block_n = cfg.BLOCK_N
+        block_n = block_n_cfg
     else:  # tests: force the looped path on a small row
         block_m, single = 1, block_n >= N
     with device_guard(x2d):
