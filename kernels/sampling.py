@@ -39,6 +39,10 @@ KEY_NEG_INF = -2139095041
 BISECT_STEPS = 31
 # The largest fp32 below 1: V is clamped to it so that E = -log(1 - V) stays finite.
 ONE_MINUS_ULP = 1.0 - 2.0**-24
+# The same, as the constexprs a kernel may read.
+_KEY_NEG_INF = tl.constexpr(KEY_NEG_INF)
+_BISECT_STEPS = tl.constexpr(BISECT_STEPS)
+_ONE_MINUS_ULP = tl.constexpr(ONE_MINUS_ULP)
 
 
 @triton.jit
@@ -92,12 +96,12 @@ def _sample_kernel(
         key = _order_key(z)
 
     # Threshold as an order key: keep z with key >= tau. Start: keep everything.
-    tau = tl.full([BLOCK_M], KEY_NEG_INF, tl.int32)
+    tau = tl.full([BLOCK_M], _KEY_NEG_INF, tl.int32)
     if HAS_TOP_K:
         # Largest t with #{key >= t} >= k. Invariant: lo passes, hi fails (no z is above 0).
         lo = tau
         hi = tl.full([BLOCK_M], 1, tl.int32)
-        for _ in range(BISECT_STEPS):
+        for _ in range(_BISECT_STEPS):
             mid = lo + ((hi - lo) >> 1)
             count = tl.zeros([BLOCK_M], tl.int32)
             for off in range(0, N, BLOCK_N):
@@ -125,7 +129,7 @@ def _sample_kernel(
         # one fixed summation tree, so it is monotone in t even after rounding.
         lo = tau
         hi = tl.full([BLOCK_M], 1, tl.int32)
-        for _ in range(BISECT_STEPS):
+        for _ in range(_BISECT_STEPS):
             mid = lo + ((hi - lo) >> 1)
             mass = tl.zeros([BLOCK_M], tl.float32)
             for off in range(0, N, BLOCK_N):
@@ -159,7 +163,7 @@ def _sample_kernel(
             r = tl.randint(seed, rows[:, None] * N + cols[None, :]).to(tl.uint32, bitcast=True)
             # V in (0, 1) with 2**-32 steps near 0, where the winners' E live; exact in fp32
             # except that r >= 2**32 - 128 rounds V up to 1, clamped to keep E finite.
-            V = tl.minimum((r.to(tl.float32) + 0.5) * 2.3283064365386963e-10, ONE_MINUS_ULP)
+            V = tl.minimum((r.to(tl.float32) + 0.5) * 2.3283064365386963e-10, _ONE_MINUS_ULP)
             score = z - tl.log(_exponential(V))
         score = tl.where(keep, score, float("-inf"))
         blk_best = tl.max(score, axis=1)

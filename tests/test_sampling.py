@@ -53,8 +53,10 @@ CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("kw", CONFIGS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "plain")
-@pytest.mark.parametrize("dtype", LOW_PRECISION)
+CASES = [(kw, torch.float32) for kw in CONFIGS] + [(CONFIGS[-1], torch.float16), (CONFIGS[-1], torch.bfloat16)]
+
+
+@pytest.mark.parametrize("kw, dtype", CASES, ids=lambda v: str(v).replace("torch.", ""))
 def test_chi_square_against_exact_distribution(kw, dtype):
     row = logits_row(12, seed=7, dtype=dtype)
     probs = ref.sampling_probs(row, **kw)
@@ -101,11 +103,12 @@ def kept_by_kernel(x, block_n=None, **kw):
 
 
 @pytest.mark.parametrize("kw", CONFIGS[2:], ids=str)
-@pytest.mark.parametrize("block_n", [None, 16])
+@pytest.mark.parametrize("block_n", [None, 32])
 def test_kept_set_equals_the_reference(kw, block_n):
     """Thresholds found by bisection equal the exact filters, row by row (one block or looped)."""
     g = torch.Generator().manual_seed(3)
-    x = (torch.randn(40, 100, generator=g) * 2).to(DEVICE)
+    # The looped path runs one program per row: few rows keep the interpreter quick.
+    x = (torch.randn(40 if block_n is None else 3, 100, generator=g) * 2).to(DEVICE)
     kept = kept_by_kernel(x, block_n=block_n, **kw)
     exact = ref.sampling_probs(x, **kw) > 0
     assert torch.equal(kept, exact), f"{int((kept != exact).sum())} tokens differ"
@@ -179,7 +182,7 @@ def test_same_seed_same_draws_and_generators_advance():
 
 def test_draws_do_not_depend_on_the_tiling():
     """The Philox counter is the element's index in the (M, N) view, not a lane of a tile."""
-    x = torch.randn(9, 50, device=DEVICE)
+    x = torch.randn(3, 50, device=DEVICE)
     rowmax = x.amax(-1)
     for kw in (dict(), dict(top_k=7, min_p=0.05)):
         args = (x, rowmax, 1.0, kw.get("top_k"), None, kw.get("min_p"), 77)
