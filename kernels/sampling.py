@@ -47,8 +47,9 @@ _ONE_MINUS_ULP = tl.constexpr(ONE_MINUS_ULP)
 
 @triton.jit
 def _order_key(z):
-    """An int32 that orders like the fp32 ``z`` (for -0.0 < ... it is never given -0.0): the bits
-    of a non-negative float already order like it; a negative float's low 31 bits are flipped."""
+    """An int32 that orders like the fp32 ``z``: the bits of a non-negative float already order
+    like it; a negative float's low 31 bits are flipped. (-0.0 would sort below +0.0, so callers
+    map it to +0.0 first.)"""
     bits = z.to(tl.int32, bitcast=True)
     return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
