@@ -276,8 +276,7 @@ import torch, triton
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 import kernels
-ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-rows = []
+from triton.backends.nvidia.compiler import get_ptxas  # the ptxas Triton itself uses per arch
 def run(self, *args, grid=None, warmup=False, **kwargs):
     sig, consts = gpu_compile._signature(self, args, kwargs)
     for name, target in gpu_compile.TARGETS:
@@ -287,7 +286,7 @@ def run(self, *args, grid=None, warmup=False, **kwargs):
         with tempfile.TemporaryDirectory() as d:
             ptx = pathlib.Path(d) / "k.ptx"
             ptx.write_text(c.asm["ptx"])
-            out = subprocess.run([str(ptxas), "-v", f"--gpu-name={arch}", str(ptx), "-o",
+            out = subprocess.run([get_ptxas(target.arch).path, "-v", f"--gpu-name={arch}", str(ptx), "-o",
                                   str(pathlib.Path(d) / "k.cubin")], capture_output=True, text=True)
         spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out.stderr)
         regs = re.search(r"Used (\d+) registers", out.stderr)
