@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from . import _validate
-from ._config import LAUNCH, row_config
+from ._config import LAUNCH
 from ._runtime import INTERPRET, device_guard
 
 # The order key of -inf (see _order_key): the smallest key any logit can have.
@@ -39,6 +39,8 @@ KEY_NEG_INF = -2139095041
 BISECT_STEPS = 31
 # The largest fp32 below 1: V is clamped to it so that E = -log(1 - V) stays finite.
 ONE_MINUS_ULP = 1.0 - 2.0**-24
+# Elements per program's tile on a GPU (see _forward).
+SAMPLE_TILE = 4096
 # The same, as the constexprs a kernel may read.
 _KEY_NEG_INF = tl.constexpr(KEY_NEG_INF)
 _BISECT_STEPS = tl.constexpr(BISECT_STEPS)
@@ -183,10 +185,13 @@ def _forward(x2d, rowmax, seed, inv_temp, top_k, top_p, log_min_p, *, greedy, bl
     tau = torch.empty((M,), dtype=torch.int32, device=x2d.device)
     if M == 0:
         return out, tau
-    # Registers hold the fp32 z and its int32 key: size the tile by 4-byte elements.
-    cfg = row_config(M, N, 4)
-    block_m, single = cfg.BLOCK_M, cfg.SINGLE_BLOCK
-    block_n_cfg = cfg.BLOCK_N
+    # A tile holds fp32 z, its int32 key and the Philox state per element: at most SAMPLE_TILE
+    # elements, so that ptxas reports no spills (16K-element tiles spilled on sm_75/80/90).
+    block_n_cfg = triton.next_power_of_2(N)
+    single = block_n_cfg <= SAMPLE_TILE
+    block_m = min(SAMPLE_TILE // block_n_cfg, triton.next_power_of_2(M)) if single else 1
+    block_n_cfg = block_n_cfg if single else SAMPLE_TILE
+    num_warps = min(max(block_m * block_n_cfg // 256, 1), 16)
     if INTERPRET:
         # The interpreter pays per operation, not per element: give it 64K-element tiles. The
         # draws do not depend on the tiling (the Philox counter is the element's index).
@@ -206,7 +211,7 @@ def _forward(x2d, rowmax, seed, inv_temp, top_k, top_p, log_min_p, *, greedy, bl
             HAS_TOP_K=top_k is not None, HAS_TOP_P=top_p is not None,
             HAS_MIN_P=log_min_p is not None,
             BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_BLOCK=single,
-            num_warps=cfg.num_warps, **LAUNCH,
+            num_warps=num_warps, **LAUNCH,
         )
     return out, tau
 
