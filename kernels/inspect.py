@@ -427,6 +427,8 @@ def _calls(label: str, M: int, N: int, dtype: str, which: set[str] | None):
                               (0,)),
         "attention": pair(lambda q, k, v: kernels.attention(q, k, v, causal=True),
                           attention_inputs, (0, 1, 2)),
+        "sample": (lambda: kernels.sample(torch.zeros(M, N, dtype=dt), temperature=0.8,
+                                          top_k=50, top_p=0.9, generator=0), None),
     }
     for method in ("two_pass", "one_pass", "welford"):
         out[f"row_variance.{method}"] = (lambda m=method: kernels.row_variance(empty(M, N), method=m), None)

@@ -345,3 +345,34 @@ def attention(q, k, v, causal=False, scale=None, window=None):
     e = torch.exp(s - m)  # exp(−∞) = 0 at every hidden key
     l = e.sum(dim=-1, keepdim=True)
     return (e @ v) / torch.where(l > 0, l, torch.ones_like(l))
+# ---------------------------------------------------------------- sampling
+
+def sampling_probs(logits, temperature=1.0, top_k=None, top_p=None, min_p=None):
+    r"""The exact distribution ``kernels.sample`` draws from, in float64, one row per last dim.
+
+    z = (x − max x)/T and p ∝ e^z, restricted in Hugging Face's order to the tokens kept by
+    top-k (z_i ≥ the k-th largest z; ties kept), then top-p over the renormalized top-k set
+    (keep i iff Σ_{j kept: z_j > z_i} p_j < top_p; ties kept together), then min-p
+    (p_i ≥ min_p · p_max ⇔ z_i ≥ ln min_p); renormalized. T = 0: all mass on the first argmax.
+    """
+    x = _d(logits)
+    n = x.shape[-1]
+    if temperature == 0:
+        return torch.nn.functional.one_hot(x.argmax(-1), n).to(f64)
+    z = (x - x.amax(-1, keepdim=True)) / temperature
+    keep = torch.ones_like(z, dtype=torch.bool)
+    if top_k is not None and top_k < n:
+        kth = z.topk(top_k, dim=-1).values[..., -1:]
+        keep &= z >= kth
+    if top_p is not None:
+        e = torch.where(keep, torch.exp(z), 0.0)
+        zs, order = torch.sort(z, dim=-1)  # ascending
+        tail = torch.flip(torch.cumsum(torch.flip(torch.gather(e, -1, order), [-1]), -1), [-1])
+        tail = torch.cat([tail, torch.zeros_like(tail[..., :1])], -1)  # tail[j] = Σ_{l ≥ j} e_(l)
+        first_above = torch.searchsorted(zs.contiguous(), z.contiguous(), right=True)
+        mass_above = torch.gather(tail, -1, first_above)  # Σ e_j over z_j > z_i
+        keep &= mass_above < top_p * e.sum(-1, keepdim=True)
+    if min_p is not None:
+        keep &= torch.exp(z) >= min_p
+    p = torch.where(keep, torch.exp(z), 0.0)
+    return p / p.sum(-1, keepdim=True)

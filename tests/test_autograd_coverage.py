@@ -57,7 +57,12 @@ CALLS = {
                               "target": torch.tensor([0, 7, 3]).to(DEVICE)},
     "attention": lambda: {"q": _randn(1, 2, 4, 16), "k": _randn(1, 1, 5, 16),
                           "v": _randn(1, 1, 5, 16)},
+    "sample": lambda: {"logits": _randn(3, 8)},
 }
+
+#: Public functions whose output is integer-valued by nature (token indices, as torch.argmax):
+#: there is no gradient to keep, so they must return integer tensors, never float ones.
+INTEGER_OUTPUTS = {"sample"}
 
 #: Public callables that take no tensor: nothing to differentiate.
 NO_TENSOR_INPUTS = {"default_dtype", "device_name"}
@@ -123,6 +128,9 @@ def test_gradient_is_kept_or_refused(name, arg, extra):
     except (TypeError, ValueError, RuntimeError) as e:
         # Refusing is allowed, but the message must say which argument is the problem.
         assert arg in str(e), f"{name} refused a gradient for {arg!r} without naming it: {e}"
+        return
+    if name in INTEGER_OUTPUTS:
+        assert not out.is_floating_point() and out.grad_fn is None, f"{name}: expected integer output"
         return
     outs = _float_tensors(out)
     assert outs, f"{name} returned no float tensor"

@@ -1,0 +1,338 @@
+r"""Sampling the next token from logits, in one Triton kernel: temperature, top-k, top-p, min-p.
+
+For one row of logits :math:`x` and a temperature :math:`T > 0`, let :math:`z = (x - \max x)/T`
+and :math:`p \propto e^{z}`. The filters keep the tokens whose scaled logit reaches a threshold,
+applied in Hugging Face's order (temperature, top-k, top-p, min-p):
+
+- top-k: :math:`z_i \ge` the k-th largest :math:`z` (ties with it are kept: possibly more than k);
+- top-p: of the top-k set, token :math:`i` is kept iff the probability of the tokens strictly
+  more likely than it is below ``top_p`` (ties are kept or dropped together);
+- min-p: :math:`p_i \ge \text{min\_p}\cdot p_{\max}`, i.e. :math:`z_i \ge \ln \text{min\_p}`.
+
+Every filter is "keep :math:`z_i \ge \tau`", so the kept set is one threshold per row. The kernel
+finds it without sorting: it bisects over the 2**32 fp32 bit patterns, ordered like the floats
+(:func:`_order_key`), counting (top-k) or summing :math:`e^{z}` (top-p) over the row in each of 31
+steps. Then it draws with the Gumbel-max trick (an exponential race): the sample is
+:math:`\arg\max_i z_i - \log E_i` over the kept tokens, :math:`E_i \sim \mathrm{Exp}(1)`, which
+needs neither the normalizing sum nor a prefix sum.
+
+Random numbers come from Triton's counter-based Philox (``tl.randint``): element ``(r, c)`` of the
+(M, N) row view uses key ``seed`` (two 32-bit halves, low first) and counter
+``(r*N + c) mod 2**32, (r*N + c) >> 32, 0, 0``. A draw therefore depends only on the seed, the
+row's index in the call and the token's index, not on the launch configuration or the strides.
+"""
+
+import math
+import numbers
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _validate
+from ._config import LAUNCH
+from ._runtime import INTERPRET, device_guard
+
+# The order key of -inf (see _order_key): the smallest key any logit can have.
+KEY_NEG_INF = -2139095041
+# Bisection steps: the keys of (-inf, 0] span fewer than 2**31 integers, halved each step.
+BISECT_STEPS = 31
+# The largest fp32 below 1: V is clamped to it so that E = -log(1 - V) stays finite.
+ONE_MINUS_ULP = 1.0 - 2.0**-24
+# Elements per program's tile on a GPU (see _forward).
+SAMPLE_TILE = 4096
+# The same, as the constexprs a kernel may read.
+_KEY_NEG_INF = tl.constexpr(KEY_NEG_INF)
+_BISECT_STEPS = tl.constexpr(BISECT_STEPS)
+_ONE_MINUS_ULP = tl.constexpr(ONE_MINUS_ULP)
+
+
+@triton.jit
+def _order_key(z):
+    """An int32 that orders like the fp32 ``z``: the bits of a non-negative float already order
+    like it; a negative float's low 31 bits are flipped. (-0.0 would sort below +0.0, so callers
+    map it to +0.0 first.)"""
+    bits = z.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def _scaled_logits(X, x_rows, row_mask, cols, N, rowmax, inv_temp):
+    """z = (x - max x) / T in fp32 for one tile; -inf on padding, so it is never counted or drawn."""
+    mask = row_mask[:, None] & (cols < N)[None, :]
+    x = tl.load(x_rows + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+    # Shift first: z <= 0 can never overflow, however small T is.
+    z = (x - rowmax[:, None]) * inv_temp
+    # -0.0 (an underflowed product) becomes +0.0, so that key order and float order agree.
+    z = tl.where(z == 0.0, 0.0, z)
+    return tl.where(mask, z, float("-inf")), mask
+
+
+@triton.jit
+def _exponential(V):
+    """E = -log(1 - V) ~ Exp(1) for V uniform in (0, 1), accurate where it matters: the smallest
+    E win the race, and for small V the series V + V²/2 + ... keeps full relative precision
+    (1 - V would round V's low bits away). Truncation after V⁶/6 errs by < V⁶/7 relatively."""
+    series = V * (1.0 + V * (0.5 + V * (1.0 / 3.0 + V * (0.25 + V * (0.2 + V * (1.0 / 6.0))))))
+    return tl.where(V < 0.0625, series, -tl.log(1.0 - V))
+
+
+@triton.jit
+def _sample_kernel(
+    X, Rowmax, Out, Tau,           # logits, per-row max, sampled index (int64), threshold key (int32)
+    stride_x,                      # distance between rows, in elements
+    M, N, seed,                    # rows, vocabulary size, Philox key
+    inv_temp, top_k, top_p, log_min_p,
+    GREEDY: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
+    HAS_MIN_P: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    rows = rows.to(tl.int64)  # rows * stride and rows * N can pass 2**31
+    x_rows = X + rows[:, None] * stride_x
+    rowmax = tl.load(Rowmax + rows, mask=row_mask, other=0.0).to(tl.float32)
+    if SINGLE_BLOCK:
+        # The row fits in registers: read it once; every pass below reuses it.
+        cols = tl.arange(0, BLOCK_N)
+        z, mask = _scaled_logits(X, x_rows, row_mask, cols, N, rowmax, inv_temp)
+        key = _order_key(z)
+
+    # Threshold as an order key: keep z with key >= tau. Start: keep everything.
+    tau = tl.full([BLOCK_M], _KEY_NEG_INF, tl.int32)
+    if HAS_TOP_K:
+        # Largest t with #{key >= t} >= k. Invariant: lo passes, hi fails (no z is above 0).
+        lo = tau
+        hi = tl.full([BLOCK_M], 1, tl.int32)
+        for _ in range(_BISECT_STEPS):
+            mid = lo + ((hi - lo) >> 1)
+            count = tl.zeros([BLOCK_M], tl.int32)
+            for off in range(0, N, BLOCK_N):
+                if not SINGLE_BLOCK:
+                    cols = off + tl.arange(0, BLOCK_N)
+                    z, mask = _scaled_logits(X, x_rows, row_mask, cols, N, rowmax, inv_temp)
+                    key = _order_key(z)
+                count += tl.sum((key >= mid[:, None]).to(tl.int32), axis=1)
+            ok = count >= top_k
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid)
+        tau = lo
+    if HAS_TOP_P:
+        # Mass of the top-k set (unnormalized: e^z <= 1, and the max contributes exactly 1).
+        total = tl.zeros([BLOCK_M], tl.float32)
+        for off in range(0, N, BLOCK_N):
+            if not SINGLE_BLOCK:
+                cols = off + tl.arange(0, BLOCK_N)
+                z, mask = _scaled_logits(X, x_rows, row_mask, cols, N, rowmax, inv_temp)
+                key = _order_key(z)
+            total += tl.sum(tl.where(key >= tau[:, None], tl.exp(z), 0.0), axis=1)
+        target = top_p * total
+        # Largest t with S(t) = sum_{key >= t} e^z >= top_p * total: the tokens at or above it
+        # are exactly those whose strictly-more-likely mass is below top_p. S is computed by
+        # one fixed summation tree, so it is monotone in t even after rounding.
+        lo = tau
+        hi = tl.full([BLOCK_M], 1, tl.int32)
+        for _ in range(_BISECT_STEPS):
+            mid = lo + ((hi - lo) >> 1)
+            mass = tl.zeros([BLOCK_M], tl.float32)
+            for off in range(0, N, BLOCK_N):
+                if not SINGLE_BLOCK:
+                    cols = off + tl.arange(0, BLOCK_N)
+                    z, mask = _scaled_logits(X, x_rows, row_mask, cols, N, rowmax, inv_temp)
+                    key = _order_key(z)
+                mass += tl.sum(tl.where(key >= mid[:, None], tl.exp(z), 0.0), axis=1)
+            ok = mass >= target
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid)
+        tau = lo
+    if HAS_MIN_P:
+        # p_i >= min_p * p_max  <=>  z_i >= log(min_p): a fixed threshold, intersected.
+        tau = tl.maximum(tau, _order_key(tl.full([BLOCK_M], log_min_p, tl.float32)))
+    tl.store(Tau + rows, tau, mask=row_mask)
+
+    # The draw: argmax over kept tokens of z - log E (greedy: of z), first index on a tie.
+    best = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    best_idx = tl.zeros([BLOCK_M], tl.int64)
+    for off in range(0, N, BLOCK_N):
+        if not SINGLE_BLOCK:
+            cols = off + tl.arange(0, BLOCK_N)
+            z, mask = _scaled_logits(X, x_rows, row_mask, cols, N, rowmax, inv_temp)
+            key = _order_key(z)
+        keep = mask & (key >= tau[:, None])
+        if GREEDY:
+            score = z
+        else:
+            # Philox counter = the element's index in the (M, N) view: independent of tiling.
+            r = tl.randint(seed, rows[:, None] * N + cols[None, :]).to(tl.uint32, bitcast=True)
+            # V in (0, 1) with 2**-32 steps near 0, where the winners' E live; exact in fp32
+            # except that r >= 2**32 - 128 rounds V up to 1, clamped to keep E finite.
+            V = tl.minimum((r.to(tl.float32) + 0.5) * 2.3283064365386963e-10, _ONE_MINUS_ULP)
+            score = z - tl.log(_exponential(V))
+        score = tl.where(keep, score, float("-inf"))
+        blk_best = tl.max(score, axis=1)
+        blk_idx = tl.argmax(score, axis=1, tie_break_left=True).to(tl.int64) + off
+        # Strictly greater: on a tie the earlier block (smaller index) keeps the win.
+        better = blk_best > best
+        best_idx = tl.where(better, blk_idx, best_idx)
+        best = tl.where(better, blk_best, best)
+    tl.store(Out + rows, best_idx, mask=row_mask)
+
+
+def _forward(x2d, rowmax, seed, inv_temp, top_k, top_p, log_min_p, *, greedy, block_n=None):
+    """Launch on an (M, N) view; returns (indices int64 (M,), threshold keys int32 (M,))."""
+    M, N = x2d.shape
+    out = torch.empty((M,), dtype=torch.int64, device=x2d.device)
+    tau = torch.empty((M,), dtype=torch.int32, device=x2d.device)
+    if M == 0:
+        return out, tau
+    # A tile holds fp32 z, its int32 key and the Philox state per element: at most SAMPLE_TILE
+    # elements, so that ptxas reports no spills (16K-element tiles spilled on sm_75/80/90).
+    block_n_cfg = triton.next_power_of_2(N)
+    single = block_n_cfg <= SAMPLE_TILE
+    block_m = min(SAMPLE_TILE // block_n_cfg, triton.next_power_of_2(M)) if single else 1
+    block_n_cfg = block_n_cfg if single else SAMPLE_TILE
+    num_warps = min(max(block_m * block_n_cfg // 512, 1), 8)  # 16 warps spilled (ptxas, sm_90)
+    if INTERPRET:
+        # The interpreter pays per operation, not per element: give it 64K-element tiles. The
+        # draws do not depend on the tiling (the Philox counter is the element's index).
+        if single:
+            block_m = min(triton.next_power_of_2(M), max(65536 // block_n_cfg, 1))
+        else:
+            block_n_cfg = 65536
+    if block_n is None:
+        block_n = block_n_cfg
+    else:  # tests: force the looped path on a small row
+        block_m, single = 1, block_n >= N
+    with device_guard(x2d):
+        _sample_kernel[(triton.cdiv(M, block_m),)](
+            x2d, rowmax, out, tau, x2d.stride(0), M, N, seed,
+            inv_temp, top_k or 0, top_p or 1.0, log_min_p or 0.0,
+            GREEDY=greedy,
+            HAS_TOP_K=top_k is not None, HAS_TOP_P=top_p is not None,
+            HAS_MIN_P=log_min_p is not None,
+            BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_BLOCK=single,
+            num_warps=num_warps, **LAUNCH,
+        )
+    return out, tau
+
+
+# ---------------------------------------------------------------- arguments
+
+def _real(value, name):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def _check_args(temperature, top_k, top_p, min_p, generator):
+    temperature = _real(temperature, "temperature")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+    if top_k is not None:
+        if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
+            raise TypeError(f"top_k must be an int or None, got {type(top_k).__name__}")
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if top_p is not None:
+        top_p = _real(top_p, "top_p")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if min_p is not None:
+        min_p = _real(min_p, "min_p")
+        if not 0.0 <= min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {min_p}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        if isinstance(generator, bool) or not isinstance(generator, numbers.Integral):
+            raise TypeError(
+                f"generator must be a torch.Generator, an int seed or None, got {type(generator).__name__}"
+            )
+        if not 0 <= generator < 2**63:
+            raise ValueError(f"generator as an int seed must be in [0, 2**63), got {generator}")
+    return temperature, top_k, top_p, min_p
+
+
+def philox_seed(generator=None) -> int:
+    """The 64-bit Philox key of one call: an int is used as it is; a ``torch.Generator`` (or
+    torch's global CPU generator, for None) gives one draw of ``torch.randint(0, 2**63 - 1)``,
+    which advances it: consecutive calls differ, and ``manual_seed`` replays them."""
+    if generator is None or isinstance(generator, torch.Generator):
+        device = generator.device if generator is not None else "cpu"
+        return int(torch.randint(0, 2**63 - 1, (), generator=generator, device=device))
+    return int(generator)
+
+
+def _check_values(rowmax: torch.Tensor) -> None:
+    """One reduction tells all three bad rows apart: NaN propagates through max, +inf is the max,
+    and a row of -inf has max -inf. One host synchronization, before any launch."""
+    bad = ~torch.isfinite(rowmax)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        value = float(rowmax[row])
+        if math.isnan(value):
+            raise ValueError(f"logits contain NaN (row {row} of the flattened rows)")
+        if value > 0:
+            raise ValueError(f"logits contain +inf (row {row}): a certain token is not a distribution")
+        raise ValueError(f"logits row {row} is all -inf: there is no token to sample")
+
+
+def sample(logits, *, temperature=1.0, top_k=None, top_p=None, min_p=None, generator=None):
+    r"""Draw one token index per row of ``logits`` (last dimension = vocabulary).
+
+    The distribution is softmax(logits / temperature) restricted to the tokens that survive
+    top-k, then top-p (renormalized over the top-k set), then min-p, as Hugging Face applies
+    them; ties at a threshold are kept together. ``temperature=0`` is greedy: the first index of
+    the row's maximum. Sampling uses the Gumbel-max trick with Philox random numbers.
+
+    Args:
+        logits: float32, float16 or bfloat16 (float64 is accepted and read as fp32) tensor of
+            shape ``(..., N)``, on the kernels' device. Rows may be strided. No NaN, no +inf,
+            and at least one finite logit per row.
+        temperature: >= 0. Below about 3e-39, 1/T is clamped to the largest fp32: the draw is
+            then uniform over the row's maxima, the limit T -> 0+.
+        top_k: None or an int >= 1 (>= N keeps everything).
+        top_p: None or a real in (0, 1] (1 keeps everything).
+        min_p: None or a real in [0, 1] (0 keeps everything).
+        generator: None (a seed drawn from torch's global CPU generator), a ``torch.Generator``
+            (one seed drawn from it), or an int seed in [0, 2**63). See :func:`philox_seed`.
+
+    Returns:
+        int64 tensor of shape ``logits.shape[:-1]``. Indices are not differentiable: the output
+        never requires grad, even when ``logits`` does (there is no gradient to drop).
+
+    Raises:
+        TypeError / ValueError naming the bad argument, before any kernel is launched.
+    """
+    _validate.check_input(logits, "logits")
+    temperature, top_k, top_p, min_p = _check_args(temperature, top_k, top_p, min_p, generator)
+    n = logits.shape[-1]
+    out_shape = logits.shape[:-1]
+    if math.prod(out_shape) == 0:
+        return torch.empty(out_shape, dtype=torch.int64, device=logits.device)
+    if n == 0:
+        raise ValueError("logits must have at least one entry in its last dimension (the vocabulary)")
+    x2d = _validate.as_rows(logits.detach())
+    rowmax = x2d.amax(dim=-1)
+    _check_values(rowmax)
+    idx, _ = _launch(x2d, rowmax, temperature, top_k, top_p, min_p, generator)
+    return idx.view(out_shape)
+
+
+def _launch(x2d, rowmax, temperature, top_k, top_p, min_p, generator, block_n=None):
+    """Map the validated arguments onto the kernel's: constexpr flags for filters that act."""
+    n = x2d.shape[1]
+    if temperature == 0.0:
+        # Greedy: the maximum is kept by every filter, so filters change nothing.
+        seed, inv_temp, top_k, top_p, log_min_p = None, 1.0, None, None, None
+    else:
+        seed = philox_seed(generator)
+        inv_temp = min(1.0 / temperature, torch.finfo(torch.float32).max)
+        top_k = top_k if top_k is not None and top_k < n else None
+        top_p = top_p if top_p is not None and top_p < 1.0 else None
+        log_min_p = math.log(min_p) if min_p is not None and min_p > 0.0 else None
+        if log_min_p is not None:
+            log_min_p = max(log_min_p, float(torch.finfo(torch.float32).min))
+    return _forward(x2d, rowmax, 0 if seed is None else seed, inv_temp, top_k, top_p,
+                    log_min_p, greedy=seed is None, block_n=block_n)

@@ -1,0 +1,319 @@
+"""kernels.sample against the exact filtered distribution (kernels.reference.sampling_probs).
+
+Statistics with fixed seeds: every test here is deterministic. The chi-square tests use a
+significance level of 1e-3 each: were the seeds random, a correct sampler would fail one of them
+with probability 1e-3 (about 1% for the whole file); with the seeds fixed, the verdict is the same
+on every run. Their power: with 8192 draws, a token of probability > 0.5%
+wrongly dropped (expected count > 40, observed 0) adds > 40 to the statistic, more than the
+1e-3 critical value for up to 12 degrees of freedom (32.9); a token wrongly kept is caught
+exactly (its expected count is 0, so any draw of it fails); and a temperature off by 10% moves
+the counts by far more (checked in test_chi_square_detects_a_wrong_temperature).
+"""
+
+import math
+
+import mpmath
+import pytest
+import torch
+
+from conftest import LOW_PRECISION, assert_rejected_before_launch
+from kernels import DEVICE, sample
+from kernels import reference as ref
+from kernels import sampling
+
+ALPHA = 1e-3
+DRAWS = 8192
+
+
+def chi_square(draws, probs):
+    """(statistic, degrees of freedom, p-value, draws outside the support) of integer draws
+    against float64 probabilities."""
+    counts = torch.bincount(draws.cpu().reshape(-1), minlength=probs.numel()).double()
+    expected = probs * draws.numel()
+    support = probs > 0
+    stat = (((counts - expected) ** 2) / expected)[support].sum().item()
+    df = int(support.sum()) - 1
+    pvalue = float(mpmath.gammainc(df / 2, stat / 2, mpmath.inf, regularized=True)) if df else 1.0
+    return stat, df, pvalue, int(counts[~support].sum())
+
+
+def logits_row(n, seed, scale=1.0, dtype=torch.float32):
+    """A row of n logits with well separated values (ties only where a test makes them)."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, generator=g) * scale).to(dtype)
+
+
+CONFIGS = [
+    dict(),
+    dict(temperature=0.6),
+    dict(temperature=1.7, top_k=5),
+    dict(top_p=0.8),
+    dict(min_p=0.08),
+    dict(temperature=0.8, top_k=9, top_p=0.95, min_p=0.02),
+]
+
+
+CASES = [(kw, torch.float32) for kw in CONFIGS] + [(CONFIGS[-1], torch.float16), (CONFIGS[-1], torch.bfloat16)]
+
+
+@pytest.mark.parametrize("kw, dtype", CASES, ids=lambda v: str(v).replace("torch.", ""))
+def test_chi_square_against_exact_distribution(kw, dtype):
+    row = logits_row(12, seed=7, dtype=dtype)
+    probs = ref.sampling_probs(row, **kw)
+    assert probs[probs > 0].min() * DRAWS >= 5  # Cochran: every expected count >= 5
+    # 8192 rows that share one row of memory (row stride 0): one launch, independent draws.
+    draws = sample(row.to(DEVICE).expand(DRAWS, 12), generator=1234, **kw)
+    stat, df, pvalue, outside = chi_square(draws, probs)
+    assert outside == 0, f"{outside} draws of tokens the filters remove"
+    assert pvalue > ALPHA, f"chi2 = {stat:.1f} with {df} dof, p = {pvalue:.2e}"
+
+
+def test_chi_square_detects_a_wrong_temperature():
+    """The test's power: the same draws judged against T = 1.1 instead of 1.0 fail it."""
+    row = logits_row(12, seed=7)
+    draws = sample(row.to(DEVICE).expand(DRAWS, 12), generator=1234)
+    assert chi_square(draws, ref.sampling_probs(row))[2] > ALPHA
+    assert chi_square(draws, ref.sampling_probs(row, temperature=1.1))[2] < ALPHA
+
+
+def test_chi_square_with_a_torch_generator_and_ties():
+    """Tied logits at the top-k boundary are kept together (Hugging Face keeps them too)."""
+    row = torch.tensor([2.0, 1.0, 1.0, 1.0, 0.5, -1.0, 3.0, 1.0])
+    kw = dict(top_k=3)
+    probs = ref.sampling_probs(row, **kw)
+    assert int((probs > 0).sum()) == 6  # the 3rd largest value, 1.0, appears four times
+    g = torch.Generator(device=DEVICE).manual_seed(99)
+    draws = sample(row.to(DEVICE).expand(DRAWS, 8), generator=g, **kw)
+    stat, df, pvalue, outside = chi_square(draws, probs)
+    assert outside == 0 and pvalue > ALPHA, (stat, df, pvalue)
+
+
+def kept_by_kernel(x, block_n=None, **kw):
+    """The kernel's kept set, from the threshold key it stores: key(z) >= tau."""
+    x2d = x.reshape(-1, x.shape[-1])
+    rowmax = x2d.amax(-1)
+    _, tau = sampling._launch(x2d, rowmax, kw.get("temperature", 1.0), kw.get("top_k"),
+                              kw.get("top_p"), kw.get("min_p"), 5, block_n=block_n)
+    inv_t = min(1.0 / kw.get("temperature", 1.0), torch.finfo(torch.float32).max)
+    z = (x2d.float() - rowmax.float()[:, None]) * torch.tensor(inv_t, dtype=torch.float32)
+    z = torch.where(z == 0, torch.zeros_like(z), z)
+    bits = z.view(torch.int32)
+    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return (key >= tau[:, None]).cpu()
+
+
+@pytest.mark.parametrize("kw", CONFIGS[2:], ids=str)
+@pytest.mark.parametrize("block_n", [None, 32])
+def test_kept_set_equals_the_reference(kw, block_n):
+    """Thresholds found by bisection equal the exact filters, row by row (one block or looped)."""
+    g = torch.Generator().manual_seed(3)
+    # The looped path runs one program per row: few rows keep the interpreter quick.
+    x = (torch.randn(40 if block_n is None else 3, 100, generator=g) * 2).to(DEVICE)
+    kept = kept_by_kernel(x, block_n=block_n, **kw)
+    exact = ref.sampling_probs(x, **kw) > 0
+    assert torch.equal(kept, exact), f"{int((kept != exact).sum())} tokens differ"
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_draws_stay_in_the_kept_set_of_each_row(dtype, poison_empty):
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(300, 37, generator=g) * 3).to(dtype).to(DEVICE)
+    kw = dict(temperature=0.9, top_k=10, top_p=0.9)
+    draws = sample(x, generator=5, **kw)
+    assert draws.dtype == torch.int64 and draws.shape == (300,)
+    probs = ref.sampling_probs(x, **kw)
+    assert bool((probs.gather(-1, draws.cpu()[:, None]) > 0).all())
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_greedy_is_the_first_argmax(dtype, poison_empty):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(-3, 4, (64, 7), generator=g).to(dtype).to(DEVICE)  # many ties
+    out = sample(x, temperature=0, top_k=3, top_p=0.5)
+    assert torch.equal(out.cpu(), x.cpu().float().argmax(-1))  # torch.argmax: first maximal index
+
+
+def test_top_k_one_and_tiny_top_p_and_min_p_one_are_greedy():
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(200, 33, generator=g) * 2).to(DEVICE)
+    expected = x.argmax(-1).cpu()
+    for kw in (dict(top_k=1), dict(top_p=1e-9), dict(min_p=1.0), dict(temperature=1e-30)):
+        assert torch.equal(sample(x, generator=9, **kw).cpu(), expected), kw
+
+
+def test_one_finite_logit_among_minus_inf():
+    x = torch.full((50, 20), float("-inf"), device=DEVICE)
+    where = torch.arange(50) % 20
+    x[torch.arange(50), where.to(DEVICE)] = torch.randn(50, device=DEVICE)
+    for kw in (dict(), dict(top_k=5), dict(top_p=0.5), dict(min_p=0.5), dict(temperature=3.0)):
+        assert torch.equal(sample(x, generator=4, **kw).cpu(), where), kw
+
+
+def test_vocabulary_of_qwen3_at_one_and_two_rows():
+    """151,936 logits: the looped path (rows wider than a tile), at the decode batch sizes."""
+    n = 151_936
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(2, n, generator=g) * 3).to(DEVICE)
+    x[1, n - 1] = 20.0  # the last token dominates row 1
+    assert torch.equal(sample(x, temperature=0).cpu(), x.argmax(-1).cpu())
+    assert sample(x[:1], temperature=0).shape == (1,)
+    kw = dict(top_k=50, top_p=0.9)
+    draws = sample(x, generator=21, **kw)
+    probs = ref.sampling_probs(x, **kw)
+    assert bool((probs.gather(-1, draws.cpu()[:, None]) > 0).all())
+    assert draws[1].item() == n - 1 or probs[1, draws[1]] > 0
+    assert torch.equal(kept_by_kernel(x, **kw), probs > 0)
+
+
+def test_same_seed_same_draws_and_generators_advance():
+    x = torch.randn(64, 30, device=DEVICE)
+    assert torch.equal(sample(x, generator=123), sample(x, generator=123))
+    assert not torch.equal(sample(x, generator=123), sample(x, generator=124))
+    g1 = torch.Generator(device=DEVICE).manual_seed(5)
+    g2 = torch.Generator(device=DEVICE).manual_seed(5)
+    first, second = sample(x, generator=g1), sample(x, generator=g1)
+    assert not torch.equal(first, second)  # the generator advanced
+    assert torch.equal(first, sample(x, generator=g2)) and torch.equal(second, sample(x, generator=g2))
+    torch.manual_seed(8)
+    a = sample(x)
+    torch.manual_seed(8)
+    assert torch.equal(a, sample(x))  # generator=None follows torch's global seed
+
+
+def test_draws_do_not_depend_on_the_tiling():
+    """The Philox counter is the element's index in the (M, N) view, not a lane of a tile."""
+    x = torch.randn(3, 50, device=DEVICE)
+    rowmax = x.amax(-1)
+    for kw in (dict(), dict(top_k=7, min_p=0.05)):
+        args = (x, rowmax, 1.0, kw.get("top_k"), None, kw.get("min_p"), 77)
+        one_block, _ = sampling._launch(*args)
+        looped, _ = sampling._launch(*args, block_n=16)
+        assert torch.equal(one_block, looped)
+
+
+def test_shapes_strides_and_empty_inputs():
+    base = torch.randn(6, 40, device=DEVICE)
+    x = base[:, 3:3 + 30]  # row stride 40
+    assert not x.is_contiguous()
+    assert torch.equal(sample(x, generator=1), sample(x.contiguous(), generator=1))
+    x3 = torch.randn(2, 3, 16, device=DEVICE)
+    assert sample(x3, generator=1).shape == (2, 3)
+    assert torch.equal(sample(x3, generator=1).reshape(-1), sample(x3.reshape(6, 16), generator=1))
+    xt = torch.randn(16, 5, device=DEVICE).t()  # last dimension not contiguous: copied
+    assert torch.equal(sample(xt, generator=2), sample(xt.contiguous(), generator=2))
+    assert sample(torch.randn(1, 5, device=DEVICE)).shape == (1,)
+    assert sample(torch.randn(5, device=DEVICE)).shape == ()
+    for shape in [(0, 16), (2, 0, 5), (0, 0)]:
+        out = sample(torch.empty(shape, device=DEVICE))
+        assert out.shape == shape[:-1] and out.dtype == torch.int64
+
+
+def test_float64_is_accepted():
+    x = torch.randn(20, 9, dtype=torch.float64, device=DEVICE)
+    assert torch.equal(sample(x, temperature=0).cpu(), x.argmax(-1).cpu())
+    assert torch.equal(sample(x, generator=3), sample(x.float(), generator=3))
+
+
+def test_requires_grad_gives_indices_without_gradient():
+    """Indices are integers: there is no gradient to drop, as for torch.argmax/multinomial."""
+    x = torch.randn(4, 10, device=DEVICE, requires_grad=True)
+    out = sample(x, generator=0)
+    assert out.dtype == torch.int64 and not out.requires_grad
+
+
+# ------------------------------------------------------------------ bad arguments, before any launch
+
+def _ones():
+    return torch.ones(3, 4, device=DEVICE)
+
+
+def _with(i, j, value):
+    x = torch.randn(3, 4, device=DEVICE)
+    x[i, j] = value
+    return x
+
+
+@pytest.mark.parametrize(
+    "call, exc, words",
+    [
+        (lambda: sample([1.0, 2.0]), TypeError, "logits must be a torch.Tensor"),
+        (lambda: sample(torch.ones(3, 4, dtype=torch.int64, device=DEVICE)), TypeError, "logits must be"),
+        (lambda: sample(torch.tensor(1.0, device=DEVICE)), ValueError, "at least one dimension"),
+        (lambda: sample(torch.ones(3, 0, device=DEVICE)), ValueError, "at least one entry"),
+        (lambda: sample(torch.ones(3, 4, device="meta")), ValueError, "logits is on meta"),
+        (lambda: sample(_with(1, 2, math.nan)), ValueError, "NaN"),
+        (lambda: sample(_with(2, 0, math.inf), temperature=0), ValueError, "+inf"),
+        (lambda: sample(torch.full((2, 4), -math.inf, device=DEVICE)), ValueError, "all -inf"),
+        (lambda: sample(_ones(), temperature=-0.5), ValueError, "temperature must be >= 0"),
+        (lambda: sample(_ones(), temperature=math.nan), ValueError, "temperature must be finite"),
+        (lambda: sample(_ones(), temperature=math.inf), ValueError, "temperature must be finite"),
+        (lambda: sample(_ones(), temperature="1"), TypeError, "temperature must be a real number"),
+        (lambda: sample(_ones(), top_k=0), ValueError, "top_k must be >= 1"),
+        (lambda: sample(_ones(), top_k=2.0), TypeError, "top_k must be an int"),
+        (lambda: sample(_ones(), top_k=True), TypeError, "top_k must be an int"),
+        (lambda: sample(_ones(), top_p=0.0), ValueError, "top_p must be in (0, 1]"),
+        (lambda: sample(_ones(), top_p=1.5), ValueError, "top_p must be in (0, 1]"),
+        (lambda: sample(_ones(), top_p=math.nan), ValueError, "top_p must be finite"),
+        (lambda: sample(_ones(), min_p=-0.1), ValueError, "min_p must be in [0, 1]"),
+        (lambda: sample(_ones(), min_p=2), ValueError, "min_p must be in [0, 1]"),
+        (lambda: sample(_ones(), generator=-1), ValueError, "generator as an int seed"),
+        (lambda: sample(_ones(), generator=2**63), ValueError, "generator as an int seed"),
+        (lambda: sample(_ones(), generator=1.5), TypeError, "generator must be a torch.Generator"),
+        (lambda: sample(_ones(), generator="seed"), TypeError, "generator must be"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(call, exc, words, monkeypatch):
+    assert_rejected_before_launch(monkeypatch, "sampling", call, exc, words)
+
+
+# ------------------------------------------------------------------ the GPU compiler's view
+
+COMPILE_SCRIPT = r'''
+import os, re, subprocess, sys, pathlib, tempfile
+sys.path.insert(0, sys.argv[1])
+import gpu_compile  # patches torch and Triton: launches are compiled, not run
+import torch, triton
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+import kernels
+from triton.backends.nvidia.compiler import get_ptxas  # the ptxas Triton itself uses per arch
+def run(self, *args, grid=None, warmup=False, **kwargs):
+    sig, consts = gpu_compile._signature(self, args, kwargs)
+    for name, target in gpu_compile.TARGETS:
+        c = triton.compile(ASTSource(self, signature=sig, constexprs=consts), target=target,
+                           options={"num_warps": kwargs.get("num_warps", 4)})
+        arch = re.search(r"\.target (sm_\w+)", c.asm["ptx"]).group(1)
+        with tempfile.TemporaryDirectory() as d:
+            ptx = pathlib.Path(d) / "k.ptx"
+            ptx.write_text(c.asm["ptx"])
+            out = subprocess.run([get_ptxas(target.arch).path, "-v", f"--gpu-name={arch}", str(ptx), "-o",
+                                  str(pathlib.Path(d) / "k.cubin")], capture_output=True, text=True)
+        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out.stderr)
+        regs = re.search(r"Used (\d+) registers", out.stderr)
+        flags = ",".join(k for k in ("GREEDY", "HAS_TOP_K", "HAS_TOP_P", "HAS_MIN_P", "SINGLE_BLOCK")
+                         if consts[k])
+        print(name, sig["X"], flags or "-", "regs", regs.group(1), "spills",
+              int(spill.group(1)) + int(spill.group(2)))
+JITFunction.run = run
+for dtype in (torch.float32, torch.float16, torch.bfloat16):
+    for n in (1000, 16_000, 151_936):  # rows packed in a tile, the widest one-block row, looped
+        x = torch.randn(3, n, dtype=dtype)
+        kernels.sample(x, temperature=0)
+        kernels.sample(x, generator=1)
+        kernels.sample(x, top_k=50, top_p=0.9, min_p=0.01, generator=1)
+'''
+
+
+def test_every_variant_compiles_for_nvidia_gpus_without_spills():
+    """sm_90/sm_80/sm_75 cubins through ptxas -v: every variant compiles and spills nothing."""
+    import pathlib
+    import subprocess
+    import sys
+
+    here = pathlib.Path(__file__).parent
+    proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, str(here)], capture_output=True,
+                          text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if " spills " in line]
+    assert len(lines) == 3 * 3 * 3 * 3, proc.stdout  # dtypes x variants x widths x targets
+    assert all(line.endswith("spills 0") for line in lines), proc.stdout
