@@ -34,7 +34,9 @@ def _sharp_figures() -> None:
     """Figures as SVG with real text: sharp at any zoom, and legible on a phone.
 
     The text column is about 358 CSS px wide on a 390 px phone; a figure of width W points is shown
-    at 358/W of its size there, so an 11 pt label in a 6 in (432 pt) figure is about 9 px tall.
+    at 358/W of its size there, so a 12 pt label in a 6.4 in (461 pt) figure is about 9.3 px tall
+    (tests/test_pages.py asks for 9). Hence: every text at least ``font.size`` (titles and legends
+    too), figures at most 6.4 in wide, several panels stacked one per row.
     Text stays text (``svg.fonttype = "none"``), which the page tests can measure.
     """
     try:
@@ -42,7 +44,8 @@ def _sharp_figures() -> None:
         import matplotlib.pyplot as plt  # noqa: F401  (activates the inline backend first)
     except ImportError:  # the set-up cell has already said how to install it
         return
-    matplotlib.rcParams.update({"svg.fonttype": "none", "font.size": 11, "figure.figsize": (6.0, 4.0)})
+    matplotlib.rcParams.update({"svg.fonttype": "none", "font.size": 12, "figure.figsize": (6.0, 4.0),
+                                "axes.titlesize": "medium", "figure.titlesize": "medium"})
     try:
         from IPython import get_ipython
 

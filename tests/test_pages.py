@@ -75,8 +75,6 @@ def test_figures_are_sharp(browser, server, page_path):  # noqa: F811
         page.context.close()
 
 
-@pytest.mark.xfail(strict=False, reason="until the chapters' figures are resized (existing cells set their "
-                                        "own figsize and font sizes; kernels.notebook.setup sets the defaults)")
 @pytest.mark.parametrize("page_path", NOTEBOOK_PAGES)
 def test_figure_text_legible_on_a_phone(browser, server, page_path):  # noqa: F811
     page, _ = open_view(browser, server, page_path, 390)

@@ -97,9 +97,9 @@ def plot_run(run_: dict):
 
     ok = [r for r in run_["results"] if r["status"] == "ok" and r.get("regime", "sweep") in ("sweep", "")]
     cases = list(dict.fromkeys((r["kernel"], r["direction"]) for r in ok))
-    cols = min(3, max(1, len(cases)))
+    cols = 1  # one panel per row: legible on a phone (see kernels.notebook._sharp_figures)
     rows_ = math.ceil(len(cases) / cols) if cases else 1
-    fig, axes = plt.subplots(rows_, cols, figsize=(4.2 * cols, 3.3 * rows_), squeeze=False)
+    fig, axes = plt.subplots(rows_, cols, figsize=(6.4, 3.6 * rows_), squeeze=False)
     copy = run_["copy"]["GB/s"]
     for ax, (kernel, direction) in zip(axes.flat, cases):
         for provider in PROVIDERS:
@@ -109,15 +109,15 @@ def plot_run(run_: dict):
                 ax.plot(*zip(*pts), marker="o", ms=3, label=provider)
         ax.axhline(copy, color="k", ls="--", lw=1, label="copy (measured)")
         ax.set_xscale("log", base=2)
-        ax.set_title(f"{kernel} {direction}", fontsize=10)
+        ax.set_title(f"{kernel} {direction}")
         ax.set_xlabel("hidden size N")
         ax.set_ylabel("GB/s")
         ax.set_ylim(0, copy * 1.15)
     for ax in list(axes.flat)[len(cases):]:
         ax.axis("off")
     if cases:
-        axes.flat[0].legend(fontsize=7)
-    fig.suptitle(label(run_), fontsize=9)
+        axes.flat[0].legend()
+    fig.suptitle(label(run_))
     fig.tight_layout()
     return fig
 
