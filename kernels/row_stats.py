@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from . import _validate
-from ._config import LAUNCH, accumulation_dtype, row_config
+from ._config import LAUNCH, RowConfig, accumulation_dtype, row_config
 from ._runtime import device_guard
 from ._triton_utils import chan_combine, round_to
 
@@ -182,6 +182,9 @@ def _welford_kernel(
 
 
 # ------------------------------------------------------------------ launch
+# Elements per program for the one-pass and Welford kernels (see _forward).
+STATE_TILE = 2048
+
 
 def _forward(x2d: torch.Tensor, method: str, acc_dtype: torch.dtype):
     """Launch one kernel on a (M, N) view; returns (mean, var), each of shape (M,), fp32 (fp64 for fp64 arithmetic)."""
@@ -192,6 +195,13 @@ def _forward(x2d: torch.Tensor, method: str, acc_dtype: torch.dtype):
     if M == 0:
         return mean, var
     cfg = row_config(M, N, x2d.element_size())
+    if method != "two_pass" and cfg.BLOCK_M * cfg.BLOCK_N > STATE_TILE:
+        # One-pass keeps two running sums and Welford three summaries per element of the tile:
+        # larger tiles spill registers (ptxas, sm_75/80/90). Both loop over blocks of the row.
+        block_n = min(cfg.BLOCK_N, STATE_TILE)
+        block_m = max(STATE_TILE // block_n, 1) if cfg.SINGLE_BLOCK and block_n == cfg.BLOCK_N else 1
+        cfg = RowConfig(block_m, block_n, cfg.SINGLE_BLOCK and block_n == cfg.BLOCK_N,
+                        min(max(block_m * block_n // 256, 1), 8))
     grid = (triton.cdiv(M, cfg.BLOCK_M),)
     args = (x2d, mean, var, x2d.stride(0), M, N)
     consts = dict(ACC=_TL[acc], LOW=_TL[acc_dtype], BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
