@@ -103,7 +103,8 @@ def _rand(*shape, dtype, device, scale=1.0):
 
 def _needs_backward(fn, *inputs):
     """Raise Skip if ``fn`` is not differentiable through autograd (its backward not written yet)."""
-    probe = [(t.detach()[:1] if t.dim() > 1 else t.detach()).clone().requires_grad_(True)
+    probe = [(t.detach()[:1] if t.dim() > 1 else t.detach()).clone()
+             .requires_grad_(t.is_floating_point())  # integer inputs (targets) take no gradient
              if isinstance(t, torch.Tensor) else t for t in inputs]  # one row is enough to ask
     out = fn(*probe)
     out = out if isinstance(out, tuple) else (out,)
@@ -220,6 +221,76 @@ def build_qk_norm_rope(M, N, dtype, device):
                    shape=f"q (1, {M}, {hq}, {HEAD_DIM}), k (1, {M}, {hk}, {HEAD_DIM})")
 
 
+def build_softmax(M, N, dtype, device, backward=False):
+    ours = _kernel("softmax")
+    x = _rand(M, N, dtype=dtype, device=device)
+    formula = lambda x: torch.softmax(x, dim=-1)  # noqa: E731
+    try:
+        fn = _liger("softmax", "LigerSoftmaxFunction")
+        liger = lambda x: fn.apply(x)  # noqa: E731
+    except Skip as exc:
+        liger = exc
+    if not backward:
+        return Problem((x,), timing.bytes_moved(x, torch.empty_like(x)), ours, formula, liger,
+                       shape=f"x ({M}, {N})")
+    _needs_backward(ours, x)
+    dy = _rand(M, N, dtype=dtype, device=device)
+    # Must move: read y (saved) and dy; write dx.
+    nbytes = timing.bytes_moved(x, dy, torch.empty_like(x))
+    return Problem((x,), nbytes, ours, formula, liger, wrt=(0,), grad_outputs=(dy,),
+                   shape=f"x ({M}, {N})")
+
+
+def build_cross_entropy(M, N, dtype, device, backward=False):
+    """M rows of logits over a vocabulary of N; the mean loss."""
+    ours = _kernel("cross_entropy")
+    x = _rand(M, N, dtype=dtype, device=device)
+    target = torch.randint(0, N, (M,), device=device)
+    formula = lambda x, t: torch.nn.functional.cross_entropy(x.float(), t)  # noqa: E731
+    liger = Skip("not compared: Liger's cross-entropy writes its gradient in place")
+    if not backward:
+        # Must move: read the logits (and the targets); the loss is one number.
+        return Problem((x, target), timing.bytes_moved(x, target), ours, formula, liger,
+                       shape=f"logits ({M}, {N})")
+    _needs_backward(lambda x, t: ours(x, t[: x.shape[0]]), x, target)
+    # Must move: read the logits (and targets); write their gradient.
+    nbytes = timing.bytes_moved(x, target, torch.empty_like(x))
+    return Problem((x, target), nbytes, ours, formula, liger, wrt=(0,),
+                   grad_outputs=(torch.ones((), device=device),), shape=f"logits ({M}, {N})")
+
+
+def build_attention(M, N, dtype, device):
+    """M tokens in sequences of at most 4096 (causal), N = n_heads · head_dim, GQA as above."""
+    ours = _kernel("attention")
+    hq = max(1, N // HEAD_DIM)
+    hk = max(1, hq // GQA_GROUP)
+    seq = min(M, 4096)
+    batch = max(1, M // seq)
+    q = _rand(batch, hq, seq, HEAD_DIM, dtype=dtype, device=device)
+    k = _rand(batch, hk, seq, HEAD_DIM, dtype=dtype, device=device)
+    v = _rand(batch, hk, seq, HEAD_DIM, dtype=dtype, device=device)
+
+    def formula(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=True)
+
+    # Must move: read q, k, v; write the output (no score matrix).
+    nbytes = timing.bytes_moved(q, k, v, torch.empty_like(q))
+    return Problem((q, k, v), nbytes, lambda q, k, v: ours(q, k, v, causal="top_left"), formula,
+                   Skip("Liger has no attention kernel"),
+                   shape=f"q ({batch}, {hq}, {seq}, {HEAD_DIM}), k, v ({batch}, {hk}, {seq}, {HEAD_DIM})")
+
+
+def build_sample(M, N, dtype, device):
+    """Greedy sampling (temperature 0), so that the eager formula, argmax, gives the same tokens."""
+    ours = _kernel("sample")
+    x = _rand(M, N, dtype=dtype, device=device)
+    # Must move: read the logits; write one index per row.
+    nbytes = timing.bytes_moved(x, torch.empty(M, dtype=torch.int64, device=device))
+    return Problem((x,), nbytes, lambda x: ours(x, temperature=0.0), lambda x: x.argmax(-1),
+                   Skip("Liger has no sampling kernel"), shape=f"logits ({M}, {N})")
+
+
 CASES = [
     Case("rms_norm", "forward", lambda M, N, dt, dev: build_rms_norm(M, N, dt, dev), "forward"),
     Case("rms_norm", "backward", lambda M, N, dt, dev: build_rms_norm(M, N, dt, dev, True), "backward"),
@@ -227,5 +298,11 @@ CASES = [
     Case("layer_norm", "backward", lambda M, N, dt, dev: build_layer_norm(M, N, dt, dev, True), "backward"),
     Case("fused_add_rms_norm", "forward", build_fused_add_rms_norm, "fused add"),
     Case("qk_norm_rope", "forward", build_qk_norm_rope, "forward"),
+    Case("softmax", "forward", lambda M, N, dt, dev: build_softmax(M, N, dt, dev), "forward"),
+    Case("softmax", "backward", lambda M, N, dt, dev: build_softmax(M, N, dt, dev, True), "backward"),
+    Case("cross_entropy", "forward", lambda M, N, dt, dev: build_cross_entropy(M, N, dt, dev)),
+    Case("cross_entropy", "backward", lambda M, N, dt, dev: build_cross_entropy(M, N, dt, dev, True)),
+    Case("attention", "forward", build_attention),
+    Case("sample", "forward", build_sample),
 ]
 
