@@ -435,6 +435,8 @@ def _calls(label: str, M: int, N: int, dtype: str, which: set[str] | None):
         if dtype == "fp32":  # the variance chapter's experiment: statistics accumulated in bf16
             out[f"row_variance.{method}.bf16acc"] = (
                 lambda m=method: kernels.row_variance(empty(M, N), method=m, acc_dtype=torch.bfloat16), None)
+    if dtype == "fp64":
+        out.pop("attention")  # fp32/fp16/bf16 only: it refuses fp64 (no gradient checks to serve)
     return [(k, v) for k, v in out.items() if which is None or k in which]
 
 

@@ -22,7 +22,13 @@
       while (box && box !== document.body && getComputedStyle(box).overflowX === "visible") {
         box = box.parentElement;
       }
-      if (!box || box === document.body) return;
+      if (!box || box === document.body) {
+        // A table in prose has no scrolling box of its own: give it one.
+        box = document.createElement("div");
+        box.className = "table-scroll";
+        t.parentNode.insertBefore(box, t);
+        box.appendChild(t);
+      }
       var wide = box.scrollWidth > box.clientWidth + 2;
       var cue = box.previousElementSibling;
       var has = cue && cue.classList.contains("scroll-cue");
