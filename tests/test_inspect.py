@@ -40,13 +40,20 @@ PATHS = [("rms_norm", "forward"), ("rms_norm", "backward"), ("layer_norm", "forw
 #: What remains:
 #: - vector: qk_norm_rope loads q, k, cos and sin 64 bits at a time (each half of a head
 #:   separately, for the rotation), not 128.
+#: - vector: qk_norm_rope's backward loads cos and sin the same way.
+#: - spills: attention on sm_75 (a T4) in fp16 spills about 0.9 KB per thread at head_dim 128:
+#:   there tl.dot has no bf16 and its fp16 tiles need another tile_config.
 KNOWN_TO_FAIL = {
     (check, arch, call, phase)
     for arch in ARCHS
     for check, call, phase in [
         ("vector", "qk_norm_rope", "forward"),
+        ("vector", "qk_norm_rope", "backward"),
     ]
-}
+} | {("spills", 75, "attention", "forward")}
+
+#: Calls that take no fp64 (the gradient checks that launch fp64 do not apply to them).
+NO_FP64 = {"attention"}
 
 #: Loads of a single element that a call makes besides its 128-bit row loads: cross_entropy's
 #: forward gathers the target's logit, one element per row (argument X, the element's width).
@@ -93,7 +100,9 @@ def test_every_variant_compiles(table, arch, call, phase):
     failed = [f"{_where(r)}: {r['error']}" for r in rows if "error" in r]
     assert not failed, "\n".join(failed)
     # Every dtype and every shape launched something on this path.
-    assert {r["dtype"] for r in rows} == ({"fp32"} if call.endswith("bf16acc") else set(DTYPES) | {"fp64"})
+    no_fp64 = call.endswith("bf16acc") or call in NO_FP64
+    assert {r["dtype"] for r in rows} == ({"fp32"} if call.endswith("bf16acc")
+                                          else set(DTYPES) | ({"fp64"} if not no_fp64 else set()))
     assert {(r["M"], r["N"]) for r in rows} >= {(m, n) for _, m, n in inspector.bench_shapes()}
 
 

@@ -47,4 +47,12 @@
   if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", all);
   else all();
   window.addEventListener("resize", scrollCues);
+  // Math typeset after load can widen a table: look again once the page and MathJax are done.
+  window.addEventListener("load", function () {
+    scrollCues();
+    if (window.MathJax && MathJax.startup && MathJax.startup.promise) {
+      MathJax.startup.promise.then(scrollCues);
+    }
+    setTimeout(scrollCues, 100);
+  });
 })();
