@@ -48,12 +48,10 @@ def browser():
         b.close()
 
 
-def open_page(browser, server, page_path):
-    """Load a page with every non-local request blocked; returns (page, js_errors, blocked)."""
-    context = browser.new_context()
-    page = context.new_page()
-    errors, blocked = [], []
-    page.on("pageerror", lambda e: errors.append(str(e)))
+def block_non_local(page, server):
+    """Abort every request of ``page`` that does not go to the local ``server``; returns the list
+    the aborted URLs are recorded in (the book must work offline)."""
+    blocked = []
 
     def route(r):
         if r.request.url.startswith(server):
@@ -62,6 +60,16 @@ def open_page(browser, server, page_path):
         return r.abort()
 
     page.route("**/*", route)
+    return blocked
+
+
+def open_page(browser, server, page_path):
+    """Load a page with every non-local request blocked; returns (page, js_errors, blocked)."""
+    context = browser.new_context()
+    page = context.new_page()
+    errors = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    blocked = block_non_local(page, server)
     response = page.goto(f"{server}/{page_path}.html", wait_until="load")
     assert response is not None and response.ok, f"{page_path}: HTTP {response and response.status}"
     return page, errors, blocked

@@ -16,7 +16,7 @@ import pytest
 
 from book_build import ROOT
 from page_checks import CONTRAST_JS, FIGURE_TEXT_JS, SCROLLING_CODE_JS, set_theme_script
-from test_html import CHROMIUM, NOTEBOOK_PAGES, browser, server  # noqa: F401  (fixtures)
+from test_html import CHROMIUM, NOTEBOOK_PAGES, block_non_local, browser, server  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Chromium not installed (apt-get install chromium)")
 
@@ -30,15 +30,7 @@ def open_view(browser, server, page_path, width=1366, theme="light", downloads=F
     context = browser.new_context(viewport={"width": width, "height": 900}, accept_downloads=downloads)
     context.add_init_script(set_theme_script(theme))
     page = context.new_page()
-    blocked = []
-
-    def route(r):
-        if r.request.url.startswith(server):
-            return r.continue_()
-        blocked.append(r.request.url)
-        return r.abort()
-
-    page.route("**/*", route)
+    blocked = block_non_local(page, server)
     response = page.goto(f"{server}/{page_path}.html", wait_until="load")
     assert response is not None and response.ok
     assert page.evaluate("document.documentElement.dataset.theme") == theme
