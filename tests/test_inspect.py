@@ -24,7 +24,8 @@ PATHS = [("rms_norm", "forward"), ("rms_norm", "backward"), ("layer_norm", "forw
          ("layer_norm", "backward"), ("fused_add_rms_norm", "forward"), ("qk_norm_rope", "forward"),
          ("fused_add_rms_norm", "backward"), ("qk_norm_rope", "backward"),
          ("softmax", "forward"), ("softmax", "backward"), ("cross_entropy", "forward"),
-         ("cross_entropy", "backward"), ("attention", "forward"), ("sample", "forward"),
+         ("cross_entropy", "backward"), ("attention", "forward"), ("attention", "backward"),
+         ("sample", "forward"),
          ("row_variance.two_pass", "forward"), ("row_variance.one_pass", "forward"),
          ("row_variance.welford", "forward"),
          # fp32 inputs with statistics accumulated in bf16 (the variance chapter's experiment)

@@ -281,6 +281,24 @@ def build_attention(M, N, dtype, device):
                    shape=f"q ({batch}, {hq}, {seq}, {HEAD_DIM}), k, v ({batch}, {hk}, {seq}, {HEAD_DIM})")
 
 
+def build_attention_backward(M, N, dtype, device):
+    """The backward of build_attention's causal GQA attention (dq, dk, dv). The runner
+    times the backward alone; its useful work is the four products of a backward that had
+    P (dV, dP, dQ, dK: 4 · 2·seq²·d flops per head, halved by the causal mask), recorded
+    in ``shape``: TFLOP/s = flop / time, against SDPA's backward on the same inputs."""
+    problem = build_attention(M, N, dtype, device)
+    q, k, v = problem.inputs
+    _needs_backward(problem.ours, q, k, v)
+    batch, hq, seq, d = q.shape
+    flop = 4 * 2 * batch * hq * seq * seq * d // 2
+    dout = _rand(*q.shape, dtype=dtype, device=device)
+    # Must move: read q, k, v, O, dO (and L, D: one number a row); write dq, dk, dv.
+    nbytes = timing.bytes_moved(q, k, v, dout, dout, q, k, v)
+    return Problem((q, k, v), nbytes, problem.ours, problem.formula, problem.liger,
+                   wrt=(0, 1, 2), grad_outputs=(dout,),
+                   shape=f"{problem.shape}; backward {flop:.4g} flop (4 products)")
+
+
 def build_sample(M, N, dtype, device):
     """Greedy sampling (temperature 0), so that the eager formula, argmax, gives the same tokens."""
     ours = _kernel("sample")
@@ -303,6 +321,7 @@ CASES = [
     Case("cross_entropy", "forward", lambda M, N, dt, dev: build_cross_entropy(M, N, dt, dev)),
     Case("cross_entropy", "backward", lambda M, N, dt, dev: build_cross_entropy(M, N, dt, dev, True)),
     Case("attention", "forward", build_attention),
+    Case("attention", "backward", build_attention_backward),
     Case("sample", "forward", build_sample),
 ]
 
