@@ -405,8 +405,10 @@ def bwd_tile_config(head_dim: int, dtype: torch.dtype, capability=None, kernel="
     if tensor_cores:
         owned, step, warps = (64, 32, 4) if block_d <= 64 else (64, 16, 8)
     elif block_d > 64:
-        # 16 owned keys spilled 8 bytes on sm_75 (fp16/bf16, fp32 products); 32: none
-        owned, step, warps = (32 if kernel == "dkdv" else 16), 16, 8
+        # fp16/bf16 here is sm_75, multiplied in fp32: 16 owned keys spilled 8 bytes in
+        # dK/dV, 32 none; fp32 the reverse (32 hit sm_80's 128 registers at 8 warps)
+        wide = kernel == "dkdv" and dtype != torch.float32
+        owned, step, warps = (32 if wide else 16), 16, 8
     else:
         owned, step, warps = 32, 16, 4
     if kernel == "dkdv":
