@@ -58,6 +58,9 @@ CALLS = {
     "attention": lambda: {"q": _randn(1, 2, 4, 16), "k": _randn(1, 1, 5, 16),
                           "v": _randn(1, 1, 5, 16)},
     "sample": lambda: {"logits": _randn(3, 8)},
+    "swiglu": lambda: {"gate": _randn(2, 3, 8), "up": _randn(2, 3, 8)},
+    "linear_cross_entropy": lambda: {"hidden": _randn(5, 8), "weight": _randn(11, 8),
+                                     "target": torch.tensor([0, 10, -100, 3, 7]).to(DEVICE)},
 }
 
 #: Public functions whose output is integer-valued by nature (token indices, as torch.argmax):

@@ -29,7 +29,8 @@ PATHS = [("rms_norm", "forward"), ("rms_norm", "backward"), ("layer_norm", "forw
          ("row_variance.welford", "forward"),
          # fp32 inputs with statistics accumulated in bf16 (the variance chapter's experiment)
          ("row_variance.two_pass.bf16acc", "forward"), ("row_variance.one_pass.bf16acc", "forward"),
-         ("row_variance.welford.bf16acc", "forward")]
+         ("row_variance.welford.bf16acc", "forward"),
+         ("swiglu", "forward"), ("swiglu", "backward")]
 
 #: Today's failures, one entry per (check, arch, call, phase). Each is an expected failure that
 #: must fail (strict): when a redesign fixes it, the test turns red until its entry is removed.
