@@ -31,6 +31,8 @@ GQA_GROUP = 4                            # qk_norm_rope: query heads per key hea
 DECODE_M = (1, 8, 64)
 DECODE_N = (4096, 8192)
 SMOKE_DECODE = [(1, 1024)]         # the smoke run's decode shape: one row
+DECODE_CACHE = 4096                # decode_attention in the inspector: cached tokens per row
+DECODE_PAGE = 16                   # and its paged cache's block size (vLLM's default)
 PROVIDERS = ["kernels", "torch eager", "torch.compile", "liger"]
 DO_BENCH = "triton.testing.do_bench (warm-up, median of many runs, L2 flushed before each)"
 WALL_CLOCK = "wall clock in Triton's CPU interpreter (smoke run: exercises the code, not a GPU figure)"
@@ -71,6 +73,9 @@ class Case:
     direction: str                     # "forward" | "backward"
     build: Callable[[int, int, torch.dtype, torch.device], Problem]
     target: str = ""                   # key of TARGETS
+    # Its own (M, N, regime) shapes, given smoke: True/False, instead of the sweep and the
+    # decode shapes (decode_attention: M requests, N cached tokens each). None: the default.
+    shapes: Callable[[bool], list] | None = None
 
     @property
     def name(self) -> str:
@@ -291,6 +296,37 @@ def build_sample(M, N, dtype, device):
                    Skip("Liger has no sampling kernel"), shape=f"logits ({M}, {N})")
 
 
+# ---- decode attention (issue 19): M requests of N cached tokens each, Qwen3-8B's heads
+DECODE_ATTENTION_HEADS = (32, 8)                  # query heads, k/v heads (head_dim HEAD_DIM)
+DECODE_ATTENTION_LENGTHS = (1024, 4096, 16384, 32768)
+
+
+def decode_attention_shapes(smoke: bool) -> list:
+    if smoke:
+        return [(1, 256, "decode")]
+    return [(m, n, "decode") for n in DECODE_ATTENTION_LENGTHS for m in DECODE_M]
+
+
+def build_decode_attention(M, N, dtype, device):
+    """One new token per request over a full contiguous cache of N tokens: SDPA over the same
+    cache (one query sees every key: no mask needed) is the formula."""
+    ours = _kernel("decode_attention")
+    hq, hk = DECODE_ATTENTION_HEADS if N > 256 else (8, 2)  # the smoke run: a small model
+    q = _rand(M, hq, 1, HEAD_DIM, dtype=dtype, device=device)
+    k = _rand(M, hk, N, HEAD_DIM, dtype=dtype, device=device)
+    v = _rand(M, hk, N, HEAD_DIM, dtype=dtype, device=device)
+    lens = torch.full((M,), N, dtype=torch.int32, device=device)
+
+    def formula(q, k, v, lens):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    # Must move: read q and the whole cache; write the output.
+    nbytes = timing.bytes_moved(q, k, v, torch.empty_like(q))
+    return Problem((q, k, v, lens), nbytes, ours, formula,
+                   Skip("Liger has no decode attention kernel"),
+                   shape=f"q ({M}, {hq}, 1, {HEAD_DIM}), k, v ({M}, {hk}, {N}, {HEAD_DIM})")
+
+
 CASES = [
     Case("rms_norm", "forward", lambda M, N, dt, dev: build_rms_norm(M, N, dt, dev), "forward"),
     Case("rms_norm", "backward", lambda M, N, dt, dev: build_rms_norm(M, N, dt, dev, True), "backward"),
@@ -304,6 +340,8 @@ CASES = [
     Case("cross_entropy", "backward", lambda M, N, dt, dev: build_cross_entropy(M, N, dt, dev, True)),
     Case("attention", "forward", build_attention),
     Case("sample", "forward", build_sample),
+    Case("decode_attention", "forward", build_decode_attention,
+         shapes=decode_attention_shapes),
 ]
 
 
