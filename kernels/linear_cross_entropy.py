@@ -246,8 +246,8 @@ def largest_intermediate(fn, *args, **kwargs):
     storage any PyTorch op *allocated* while it ran (forward and, if ``fn`` runs it,
     backward), recorded by a ``TorchDispatchMode``. An output that shares a storage with
     an input (a view, an in-place op, the interpreter's byte views of a kernel's
-    arguments) allocates nothing and is not counted. Triton kernels write into tensors allocated
-    through PyTorch, so their buffers are seen too."""
+    arguments) allocates nothing and is not counted. Triton kernels write into tensors
+    allocated through PyTorch, so their buffers are seen too."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
