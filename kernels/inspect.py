@@ -429,6 +429,11 @@ def _calls(label: str, M: int, N: int, dtype: str, which: set[str] | None):
                           attention_inputs, (0, 1, 2)),
         "sample": (lambda: kernels.sample(torch.zeros(M, N, dtype=dt), temperature=0.8,
                                           top_k=50, top_p=0.9, generator=0), None),
+        # swiglu: gate and up of the MLP, (M, N) each (N: the intermediate size's stand-in).
+        # linear_cross_entropy launches cross_entropy's two kernels (inspected above) between
+        # cuBLAS products, which the inspector cannot lower: not listed.
+        "swiglu": pair(kernels.swiglu, lambda g: [empty(M, N, grad=0 in g),
+                                                  empty(M, N, grad=1 in g)], (0, 1)),
     }
     # decode_attention (issue 19): M requests (at most 64: the cache is what is read, and a
     # bench-sized batch of 4096-token caches would not even fit in memory) of DECODE_CACHE

@@ -378,6 +378,29 @@ def sampling_probs(logits, temperature=1.0, top_k=None, top_p=None, min_p=None):
     return p / p.sum(-1, keepdim=True)
 
 
+# ---------------------------------------------------------------- SwiGLU and the linear cross-entropy
+
+def silu(x):
+    r"""silu(x) = x σ(x) = x / (1 + e^{−x})."""
+    x = _d(x)
+    return x * torch.sigmoid(x)
+
+
+def swiglu(gate, up):
+    r"""y = silu(g) · u, elementwise."""
+    return silu(gate) * _d(up)
+
+
+def swiglu_vjp(gate, up, dy):
+    r"""(dg, du) = (dy · u · σ(g)(1 + g(1 − σ(g))),  dy · g σ(g))."""
+    g, u, dy = _d(gate), _d(up), _d(dy)
+    s = torch.sigmoid(g)
+    return dy * u * s * (1 + g * (1 - s)), dy * g * s
+
+
+def linear_cross_entropy(hidden, weight, target, ignore_index=-100, reduction="mean"):
+    r"""cross_entropy(h Wᵀ, t): the loss of a linear head, the logits computed in float64."""
+    return cross_entropy(_d(hidden) @ _d(weight).T, target, ignore_index, reduction)
 # ---------------------------------------------------------------- decoding: KV cache, speculation
 
 def cached_keys(cache, b, n, block_table=None):

@@ -30,6 +30,7 @@ PATHS = [("rms_norm", "forward"), ("rms_norm", "backward"), ("layer_norm", "forw
          # fp32 inputs with statistics accumulated in bf16 (the variance chapter's experiment)
          ("row_variance.two_pass.bf16acc", "forward"), ("row_variance.one_pass.bf16acc", "forward"),
          ("row_variance.welford.bf16acc", "forward"),
+         ("swiglu", "forward"), ("swiglu", "backward"),
          # decode attention, at the decode (and odd) shapes only: a KV cache per row
          ("decode_attention", "forward"), ("decode_attention.paged", "forward")]
 DECODE_ONLY = {"decode_attention", "decode_attention.paged"}
