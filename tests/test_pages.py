@@ -16,7 +16,7 @@ import pytest
 
 from book_build import ROOT
 from page_checks import CONTRAST_JS, FIGURE_TEXT_JS, SCROLLING_CODE_JS, set_theme_script
-from test_html import CHROMIUM, NOTEBOOK_PAGES, block_non_local, browser, server  # noqa: F401  (fixtures)
+from test_html import CHROMIUM, NOTEBOOK_PAGES, load_page
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Chromium not installed (apt-get install chromium)")
 
@@ -25,16 +25,13 @@ MIN_FIGURE_TEXT_PX = 9.0
 VIEWS = [(390, "light"), (390, "dark"), (1366, "light"), (1366, "dark")]
 
 
-def open_view(browser, server, page_path, width=1366, theme="light", downloads=False):  # noqa: F811
-    """A page at a viewport width and theme; every non-local request is blocked and recorded."""
-    context = browser.new_context(viewport={"width": width, "height": 900}, accept_downloads=downloads)
-    context.add_init_script(set_theme_script(theme))
-    page = context.new_page()
-    blocked = block_non_local(page, server)
-    response = page.goto(f"{server}/{page_path}.html", wait_until="load")
-    assert response is not None and response.ok
+def open_view(browser, server, page_path, width=1366, theme="light", downloads=False, fresh=False):  # noqa: F811
+    """A page at a viewport width and theme; every non-local request is blocked and recorded.
+    Shared with the other tests of that page and width (test_html.load_page): the theme is
+    switched in place. A test that changes the page asks for ``fresh=True``."""
+    page, _, blocked = load_page(browser, server, page_path, width, fresh=fresh)
+    page.evaluate(f"() => {{ {set_theme_script(theme)} }}")
     assert page.evaluate("document.documentElement.dataset.theme") == theme
-    page.wait_for_timeout(300)  # the page's own scripts (scroll cues, figures) have run
     return page, blocked
 
 
@@ -144,7 +141,7 @@ def interactive_pages():
 
 @pytest.mark.parametrize("page_path", interactive_pages())
 def test_interactive_figures_work_offline_and_their_sliders_move_the_data(browser, server, page_path):  # noqa: F811
-    page, blocked = open_view(browser, server, page_path, 390)
+    page, blocked = open_view(browser, server, page_path, 390, fresh=True)  # it moves sliders
     try:
         figs = page.locator("main .plotly-graph-div")
         if figs.count() == 0:
