@@ -23,8 +23,12 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 
+# The chapters are executed first, one kernel per core, into the build's execution cache (a
+# failing chapter stops here); the build then renders them (_config.yml: execute_notebooks: cache).
+# Unchanged chapters on unchanged kernels/ are not executed again (tools/execute_chapters.py).
 book: $(STAMP)
 	$(PY) tools/sync_setup_cells.py --check
+	$(PY) tools/execute_chapters.py
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going --builder html
 	@echo "Book built: file://$(CURDIR)/_build/html/index.html"
 
