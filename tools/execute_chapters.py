@@ -8,6 +8,7 @@ script adds a stamp of everything else the chapters' results depend on: ``kernel
 the chapters import), ``pyproject.toml``, ``requirements.txt`` and the Python, torch, triton and
 numpy versions. When the stamp changes, the whole cache is cleared and every chapter runs again;
 an unchanged chapter on unchanged code is not executed twice. ``--force`` clears it regardless.
+A chapter executed here has its file's mtime renewed, so that the build renders it again.
 
 Usage: ``python tools/execute_chapters.py [--force] [--jobs N]`` (from the repository root).
 """
@@ -67,6 +68,7 @@ def main(argv=None) -> int:
     if a.force or (CACHE.exists() and (not STAMP.exists() or STAMP.read_text() != want)):
         print("execute_chapters: kernels/, the requirements or the versions changed: cache cleared")
         shutil.rmtree(CACHE, ignore_errors=True)
+    CACHE.mkdir(parents=True, exist_ok=True)
     cache = get_cache(str(CACHE))
     STAMP.write_text(want)
 
@@ -88,13 +90,16 @@ def main(argv=None) -> int:
     start = time.time()
     with concurrent.futures.ThreadPoolExecutor(max(1, a.jobs)) as pool:
         for path, nb, result in pool.map(run, todo):
-            rel = path.relative_to(ROOT)
+            rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
             if result.err is not None:
                 failed.append(f"{rel}: {type(result.err).__name__}\n{result.exc_string}")
                 print(f"  {rel}: FAILED after {result.time:.1f} s")
                 continue
             cache.cache_notebook_bundle(CacheBundleIn(nb, str(path), data={"execution_seconds": result.time}),
                                         check_validity=False, overwrite=True)
+            # New outputs for an unchanged source: a newer mtime makes Sphinx's incremental build
+            # read the chapter again (it compares mtimes), so the HTML shows what just ran.
+            os.utime(path)
             print(f"  {rel}: {result.time:.1f} s")
     print(f"execute_chapters: done in {time.time() - start:.0f} s")
     for f in failed:
