@@ -20,8 +20,10 @@ import importlib
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -90,8 +92,11 @@ def start(directory: pathlib.Path, name: str, target: str, nice: int = 0) -> Non
     except FileExistsError:
         return  # another worker of this run started it
     log = open(directory / f"{name}.{run_id()}.log", "w")
-    _STARTED.append(subprocess.Popen([sys.executable, __file__, target], cwd=ROOT,
+    # Its own process group, so that finish() stops its children too (the inspector's compilers);
+    # and it stops itself when the process that started it is gone (a killed worker).
+    _STARTED.append(subprocess.Popen([sys.executable, __file__, target, str(os.getpid())], cwd=ROOT,
                                      stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True,
                                      preexec_fn=(lambda: os.nice(nice)) if nice else None))
 
 
@@ -100,15 +105,30 @@ def finish(interrupted: bool) -> None:
     (another worker may still be waiting for one), or stop them when the run was cut short."""
     for proc in _STARTED:
         if interrupted:
-            proc.terminate()
+            _signal_group(proc.pid, signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=30 if interrupted else None)
         if proc.returncode is None:
-            proc.kill()
+            _signal_group(proc.pid, signal.SIGKILL)
     _STARTED.clear()
 
 
-if __name__ == "__main__":  # python tests/run_once.py module:function
+def _signal_group(pgid: int, sig) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _watch_parent(parent: int) -> None:
+    while True:
+        time.sleep(2)
+        try:
+            os.kill(parent, 0)
+        except ProcessLookupError:  # the run is gone: stop this step and its children
+            _signal_group(os.getpgid(0), signal.SIGTERM)
+
+
+if __name__ == "__main__":  # python tests/run_once.py module:function parent-pid
     sys.path.insert(0, str(ROOT / "tests"))
+    threading.Thread(target=_watch_parent, args=(int(sys.argv[2]),), daemon=True).start()
     module, function = sys.argv[1].split(":")
     getattr(importlib.import_module(module), function)()
