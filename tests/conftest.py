@@ -176,9 +176,10 @@ def pytest_addoption(parser):
 #: --quick: an integer parameter above this (a row length, a vocabulary) leaves the test to
 #: `make test`; 8192 keeps the one-block and the looped rows (1000, 4097).
 QUICK_MAX_SIZE = 8192
-#: --quick leaves these to `make test` too: each starts Jupyter kernels or a run of the whole
-#: benchmark, or is a kernel test whose own size is large (measured > 3 s here).
-QUICK_EXCLUDED = ("test_setup_cell.py::", "test_colab_edition.py::test_colab_edition_runs")
+#: --quick leaves these to `make test` too: each starts Jupyter kernels, fresh interpreters or
+#: `make`, or runs the benchmark (its smoke run alone is minutes of interpreter time).
+QUICK_EXCLUDED = ("test_setup_cell.py::", "test_colab_edition.py::test_colab_edition_runs",
+                  "test_bench.py::", "test_import_order.py::", "test_gpu_check.py::")
 
 
 def _quick_excluded(item) -> bool:
