@@ -25,7 +25,7 @@ GPU's bandwidth: ``bytes in flight = bandwidth × latency`` (per SM: divided by 
 Faking CUDA changes torch for the whole process, so the work runs in a child process
 (:func:`inspect_variants` starts one; ``python -m kernels.inspect`` too). Results of a compiled
 variant are cached on disk (``KERNELS_INSPECT_CACHE``, default ``~/.cache/kernels-inspect``),
-keyed by the kernel's source hash, its specialization, options and target.
+keyed by Triton's version, the kernel's source hash, its specialization, options and target.
 
 This module imports neither torch nor ``kernels`` at the top: the child loads it by file path,
 fakes CUDA and only then imports ``kernels``.
@@ -288,6 +288,7 @@ class _Capture:
 
     def run(self, fn, args, kwargs, grid):
         import torch
+        import triton
         from triton import knobs
         from triton.compiler import make_backend
         from triton.runtime.jit import create_function_from_signature
@@ -311,7 +312,8 @@ class _Capture:
         consts = {str(k[0] if isinstance(k, tuple) and len(k) == 1 else k): v for k, v in constexprs.items()}
         names = [p.name for p in fn.params]
         consts = {names[int(k)] if k.isdigit() else k: v for k, v in consts.items()}
-        key = json.dumps([fn.cache_key, {k: str(v) for k, v in signature.items()},
+        # Triton's version too: fn.cache_key hashes the source only, and a new compiler makes new PTX.
+        key = json.dumps([triton.__version__, fn.cache_key, {k: str(v) for k, v in signature.items()},
                           {k: str(v) for k, v in consts.items()}, str(sorted(attrs.items())),
                           str(sorted(options.__dict__.items())), self.target.arch], sort_keys=True)
         self.launches.append({

@@ -8,11 +8,15 @@ sizes (N = 1000, not a multiple of 16, and N = 40,000, a looped row), in fp32, f
 fp64, which the gradient checks launch, at the odd sizes).
 
 The first run compiles a few hundred variants per architecture (minutes, in parallel over the
-CPU's cores); results are cached by kernel source and specialization, so later runs take seconds.
+CPU's cores); results are cached by Triton's version, kernel source and specialization, so later
+runs take seconds. The table is computed once per test run, in a background process that
+conftest.py starts at collection (run_once.py), and these tests run last: the kernel tests use
+the cores meanwhile, and every xdist worker reads the same table.
 """
 
 import pytest
 
+import run_once
 from kernels import inspect as inspector
 
 ARCHS = (90, 80, 75)
@@ -71,11 +75,23 @@ SINGLE_ELEMENT_GATHERS = {("cross_entropy", "forward"): "X"}
 _ELEMENT_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "fp64": 64}
 
 
-@pytest.fixture(scope="module")
-def table():
+STEP_DIR, STEP = inspector.ROOT / "_build", "test-inspect"  # run_once.py's step
+
+
+def _compute_rows():
     rows = inspector.run_inspector(archs=ARCHS, dtypes=DTYPES, shapes=inspector.bench_shapes() + ODD)["rows"]
     rows += inspector.run_inspector(archs=ARCHS, dtypes=("fp64",), shapes=ODD)["rows"]
     return rows
+
+
+def inspector_rows():
+    """Every variant's row, computed once per test run (the background step's entry point)."""
+    return run_once.once(STEP_DIR, STEP, _compute_rows)
+
+
+@pytest.fixture(scope="session")
+def inspector_table():
+    return inspector_rows()
 
 
 def _params(check):
@@ -105,8 +121,8 @@ def _where(r):
 
 
 @pytest.mark.parametrize("arch,call,phase", _params("compiles"))
-def test_every_variant_compiles(table, arch, call, phase):
-    rows = _rows(table, arch, call, phase)
+def test_every_variant_compiles(inspector_table, arch, call, phase):
+    rows = _rows(inspector_table, arch, call, phase)
     failed = [f"{_where(r)}: {r['error']}" for r in rows if "error" in r]
     assert not failed, "\n".join(failed)
     # Every dtype and every shape launched something on this path.
@@ -118,23 +134,23 @@ def test_every_variant_compiles(table, arch, call, phase):
 
 
 @pytest.mark.parametrize("arch,call,phase", _params("spills"))
-def test_no_variant_spills_registers(table, arch, call, phase):
+def test_no_variant_spills_registers(inspector_table, arch, call, phase):
     """ptxas -v: 0 bytes spill stores and loads for every variant at every benchmark and decode
     shape. A spill moves registers through local memory (DRAM behind L1/L2): traffic the byte
     count of a memory-bound kernel does not include."""
     spilled = [f"{_where(r)}: {r['spill_stores']} B stores / {r['spill_loads']} B loads, "
-               f"{r['registers']} registers" for r in _rows(table, arch, call, phase)
+               f"{r['registers']} registers" for r in _rows(inspector_table, arch, call, phase)
                if r["shape"] in ("bench", "decode") and (r.get("spill_stores") or r.get("spill_loads"))]
     assert not spilled, "\n".join(spilled)
 
 
 @pytest.mark.parametrize("arch,call,phase", _params("vector"))
-def test_row_loads_are_128_bit(table, arch, call, phase):
+def test_row_loads_are_128_bit(inspector_table, arch, call, phase):
     """Where N is a multiple of 16 (so rows start on 16-byte boundaries in every dtype), every global
     load of a row-sized input of the call (x, dy, a residual, q, k, cos, sin) is one 128-bit access
     per thread (``ld.global.v4.b32``), as the JIT's specialization allows."""
     narrow = []
-    for r in _rows(table, arch, call, phase):
+    for r in _rows(inspector_table, arch, call, phase):
         if r["N"] % 16 or "error" in r:
             continue
         for arg in r["row_args"]:
@@ -148,17 +164,17 @@ def test_row_loads_are_128_bit(table, arch, call, phase):
     assert not narrow, "\n".join(narrow)
 
 
-def test_the_table_reads_the_compilers_output(table):
+def test_the_table_reads_the_compilers_output(inspector_table):
     """Sanity of the reading itself: registers and warps are set; every global access of a row
     tensor was traced back to its argument; the fp32 reciprocal square root is one of the forms
     the chapter discusses (sqrt then a division, or rsqrt)."""
-    for r in table:
+    for r in inspector_table:
         if "error" in r:
             continue
         assert 0 < r["registers"] <= 255 and r["num_warps"] in (1, 2, 4, 8, 16, 32), _where(r)
         assert "?" not in r["loads"], f"{_where(r)}: a load whose address was not traced: {r['loads']}"
         assert r["ctas_per_sm"] >= 1, _where(r)
-    fwd = [r for r in table if r["kernel"] == "_rms_norm_fwd" and "error" not in r]
+    fwd = [r for r in inspector_table if r["kernel"] == "_rms_norm_fwd" and "error" not in r]
     assert fwd and all(any(k.startswith(("sqrt", "rsqrt")) for k in r["math"]) for r in fwd)
 
 
@@ -198,8 +214,8 @@ def test_ptx_reader_traces_addresses_to_arguments():
     assert got["math"] == {"sqrt.approx.ftz.f32": 1, "div.full.f32": 1} and got["loops"] == 1
 
 
-def test_command_line_prints_the_table(tmp_path):
-    """``python -m kernels.inspect`` end to end on one small call (cached after the first run)."""
+def test_command_line_prints_the_table(inspector_table, tmp_path):
+    """``python -m kernels.inspect`` end to end on one small call (cached by the table's run)."""
     import json
     import subprocess
     import sys
