@@ -187,7 +187,7 @@ def build_layer_norm(M, N, dtype, device, backward=False):
                    wrt=(0, 1, 2), grad_outputs=(dy,), shape=f"x ({M}, {N})")
 
 
-def build_fused_add_rms_norm(M, N, dtype, device):
+def build_fused_add_rms_norm(M, N, dtype, device, backward=False):
     ours = _kernel("fused_add_rms_norm")
     x, r = _rand(M, N, dtype=dtype, device=device), _rand(M, N, dtype=dtype, device=device)
     w = _rand(N, dtype=dtype, device=device)
@@ -196,9 +196,18 @@ def build_fused_add_rms_norm(M, N, dtype, device):
         liger = lambda x, r, w: fn.apply(x, r, w, 1e-6)  # noqa: E731
     except Skip as exc:
         liger = exc
+    call = lambda x, r, w: ours(x, r, w, 1e-6)  # noqa: E731
+    if backward:
+        _needs_backward(call, x, r, w)
+        dy, dh = _rand(M, N, dtype=dtype, device=device), _rand(M, N, dtype=dtype, device=device)
+        # Must move: read h (saved), w, dy and the residual stream's gradient dh; write the
+        # gradient of x + residual (the same tensor for both) and dw.
+        nbytes = timing.bytes_moved(x, w, dy, dh, torch.empty_like(x), torch.empty_like(w))
+        return Problem((x, r, w), nbytes, call, torch_fused_add_rms_norm, liger, wrt=(0, 1, 2),
+                       grad_outputs=(dy, dh), shape=f"x, residual ({M}, {N})")
     # Must move: read x, residual, w; write y and residual_out.
     nbytes = timing.bytes_moved(x, r, w, torch.empty_like(x), torch.empty_like(x))
-    return Problem((x, r, w), nbytes, lambda x, r, w: ours(x, r, w, 1e-6), torch_fused_add_rms_norm,
+    return Problem((x, r, w), nbytes, call, torch_fused_add_rms_norm,
                    liger, shape=f"x, residual ({M}, {N})")
 
 
@@ -304,5 +313,8 @@ CASES = [
     Case("cross_entropy", "backward", lambda M, N, dt, dev: build_cross_entropy(M, N, dt, dev, True)),
     Case("attention", "forward", build_attention),
     Case("sample", "forward", build_sample),
+    # the GPU day (kernels/bench/plan.py)
+    Case("fused_add_rms_norm", "backward",
+         lambda M, N, dt, dev: build_fused_add_rms_norm(M, N, dt, dev, True), "backward"),
 ]
 

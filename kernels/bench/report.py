@@ -21,19 +21,30 @@ def _slug(text: str) -> str:
 
 
 def write_results(out_dir: pathlib.Path, prov: dict, copy: dict, rows: list[dict],
-                  errors: list[dict] = ()) -> tuple[pathlib.Path, pathlib.Path]:
+                  errors: list[dict] = (), complete: bool = True,
+                  cut: str | None = None) -> tuple[pathlib.Path, pathlib.Path]:
+    """Write (or rewrite) the run's JSON and CSV. Each file is replaced whole (written beside,
+    then renamed), so that a process stopped at any moment leaves the last complete version.
+    ``complete`` False with ``cut`` says the run was stopped and where."""
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = prov["date"].replace(":", "").replace("-", "").replace("+0000", "Z")
     stem = f"{stamp}_{_slug(prov['gpu'])}" + ("_smoke" if prov["smoke"] else "")
     json_path, csv_path = out_dir / f"{stem}.json", out_dir / f"{stem}.csv"
-    json_path.write_text(json.dumps({"provenance": prov, "copy": copy, "results": rows, "errors": list(errors)}, indent=1) + "\n")
-    with csv_path.open("w", newline="") as f:
+    data = {"provenance": prov, "copy": copy, "results": rows, "errors": list(errors)}
+    if not complete or cut:
+        data.update(complete=complete, cut=cut)
+    tmp = json_path.with_name(json_path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(json_path)
+    tmp = csv_path.with_name(csv_path.name + ".tmp")
+    with tmp.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
         writer.writeheader()
         for r in rows:
             writer.writerow({**r, "dtype": prov["dtype"], "gpu": prov["gpu"], "torch": prov["torch"],
                              "triton": prov["triton"], "date": prov["date"], "copy_GB/s": copy["GB/s"],
                              "smoke": prov["smoke"]})
+    tmp.replace(csv_path)
     return json_path, csv_path
 
 
