@@ -314,9 +314,7 @@ class _Capture:
         consts = {str(k[0] if isinstance(k, tuple) and len(k) == 1 else k): v for k, v in constexprs.items()}
         names = [p.name for p in fn.params]
         consts = {names[int(k)] if k.isdigit() else k: v for k, v in consts.items()}
-        import triton
-
-        key = json.dumps([triton.__version__, fn.cache_key, {k: str(v) for k, v in signature.items()},
+        key = json.dumps([fn.cache_key, {k: str(v) for k, v in signature.items()},
                           {k: str(v) for k, v in consts.items()}, str(sorted(attrs.items())),
                           str(sorted(options.__dict__.items())), self.target.arch], sort_keys=True)
         self.launches.append({
@@ -329,14 +327,19 @@ class _Capture:
 
 def _compile_and_read(fn, signature, constexprs, attrs, options, target, key: str) -> dict:
     """Lower one specialized variant to PTX (Triton's pipeline), run ptxas -v, read the PTX; cached."""
+    import triton
+    from triton.compiler import ASTSource
+
     path = CACHE / f"{key}.json"
     if path.exists():
         try:
-            return json.loads(path.read_text())
+            cached = json.loads(path.read_text())
         except ValueError:
-            pass
-    import triton
-    from triton.compiler import ASTSource
+            cached = None
+        # Another Triton compiles the same source differently: its entry does not count
+        # (entries written before the version was recorded are taken as they are).
+        if cached is not None and cached.get("triton", triton.__version__) == triton.__version__:
+            return cached
 
     t0 = time.perf_counter()
     _PTXAS_LOGS.clear()
@@ -354,7 +357,7 @@ def _compile_and_read(fn, signature, constexprs, attrs, options, target, key: st
             "num_warps": compiled.metadata.num_warps, "shared": compiled.metadata.shared,
             **(parse_ptxas_log(_PTXAS_LOGS[-1]) if _PTXAS_LOGS else _ptxas(ptx, target.arch, options.enable_fp_fusion)),
             **analyze_ptx(ptx, pointers),
-            "compile_s": round(time.perf_counter() - t0, 3)}
+            "compile_s": round(time.perf_counter() - t0, 3), "triton": triton.__version__}
     info["ptx"] = ptx
     CACHE.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -77,6 +77,31 @@ DRY_INSPECT_CALLS = ("rms_norm",)
 CHAPTER_MODULES = ("nbformat", "nbclient", "ipykernel", "plotly")
 MAX_OUT_FILES = 8
 
+#: `make gpu-wheels`: what executing the chapters needs (pip adds their dependencies)...
+WHEEL_PACKAGES = ["nbformat", "nbclient", "ipykernel", "plotly"]
+#: ... less what the GPU machine's image already holds (the device tool's package list for
+#: nvidia-h200, 2026-11): carrying a second copy would shadow the machine's own.
+GPU_MACHINE_HAS = set("""
+absl-py accelerate aiofiles attrs certifi charset-normalizer click cloudpickle colorama contourpy
+cycler filelock fonttools fsspec h11 httpcore httpx huggingface-hub hypothesis idna iniconfig jinja2
+joblib kiwisolver markdown markdown-it-py markupsafe matplotlib mdurl mpmath narwhals networkx numpy
+packaging pandas pillow pip pluggy protobuf psutil pygments pyparsing pytest pytest-xdist execnet
+python-dateutil pytz pyyaml regex requests rich safetensors scipy setuptools six sympy tokenizers
+torch tqdm transformers triton typing-extensions tzdata urllib3 wheel zipp typer shellingham
+""".split())
+#: pip matches manylinux tags exactly. Nothing newer than glibc 2.28: the GPU machine's is not
+#: known, and one wheel it refuses stops the whole --no-deps install.
+WHEEL_PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
+                   "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64",
+                   "manylinux_2_26_x86_64"]
+WHEELS_MAX_MIB = 30
+
+
+def _soft(budget: float, step: str) -> float:
+    """Seconds after which ``step`` starts no new work: its margin before the hard stop, or
+    half its budget when the budget is small."""
+    return budget - min(SOFT_MARGIN_S[step], budget / 2)
+
 
 def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
@@ -285,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", action="append", metavar="STEP=SECONDS",
                     help=f"override a step's budget (defaults {BUDGETS}, total {TOTAL_S})")
     ap.add_argument("--record", metavar="DIR", help="copy a returned results folder into data/bench/")
+    ap.add_argument("--download-wheels", action="store_true",
+                    help="`make gpu-wheels`: the wheels the GPU machine lacks, into .whl/")
     ap.add_argument("--execute-chapters", metavar="DIR", help=argparse.SUPPRESS)
     ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -292,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
         return execute_chapters(pathlib.Path(args.execute_chapters), args.deadline)
     if args.record:
         return record(pathlib.Path(args.record))
+    if args.download_wheels:
+        return download_wheels()
     import torch
 
     if not args.dry_run and not torch.cuda.is_available():
@@ -320,6 +349,10 @@ def main(argv: list[str] | None = None) -> int:
     _inspect(run, bench, device)
     _chapters(run)
 
+    # A step stopped by its budget is reported as cut, not as failed: its results so far stand.
+    failed = [s["step"] for s in run.summary["steps"]
+              if s.get("returncode") not in (0, None) and not s.get("cut")]
+    run.summary["failed_steps"] = failed
     run.summary["complete"] = True
     run.summary["seconds"] = round(time.monotonic() - run.t0, 1)
     run.summary["files"] = sorted(p.name for p in out.iterdir())
@@ -328,7 +361,6 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(run.logs, ignore_errors=True)
     files = sorted(out.iterdir())
     assert len(files) <= MAX_OUT_FILES and all(p.is_file() for p in files), files
-    failed = [s["step"] for s in run.summary["steps"] if s.get("returncode") not in (0, None)]
     print(f"gpu-check: {len(files)} files in {out}; {run.summary['seconds']} s"
           + (f"; cut: {', '.join(run.summary['cut_steps'])}" if run.summary["cut_steps"] else "")
           + (f"; FAILED: {', '.join(failed)}" if failed else ""), flush=True)
@@ -359,7 +391,7 @@ def _wheels(run: Run) -> None:
 def _bench(run: Run) -> dict:
     budget = run.budgets["bench"]
     cmd = [sys.executable, "-m", "kernels.bench", "--plan", "gpu-day", "--out", str(run.out),
-           "--deadline-s", str(max(1.0, budget - SOFT_MARGIN_S["bench"]))]
+           "--deadline-s", str(_soft(budget, "bench"))]
     if run.dry_run:
         cmd.append("--smoke")
     record = run.step("bench", cmd, budget)
@@ -389,7 +421,7 @@ def _tests(run: Run) -> None:
            "-rfE", f"--junitxml={xml}"]
     if importlib.util.find_spec("xdist") is not None:
         cmd += ["-n", str(2 if run.dry_run else min(12, os.cpu_count() or 1))]
-    run.env["GPU_CHECK_DEADLINE"] = str(time.time() + budget - SOFT_MARGIN_S["tests"])
+    run.env["GPU_CHECK_DEADLINE"] = str(time.time() + _soft(budget, "tests"))
     env_path = run.env.get("PYTHONPATH")
     run.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TOOLS), str(ROOT), env_path]))
     record = run.step("tests", cmd + files, budget)
@@ -470,7 +502,7 @@ def _chapters(run: Run) -> None:
         run.step("chapters", cmd, budget)
         return
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--execute-chapters", str(run.logs),
-           "--deadline", str(time.time() + budget - SOFT_MARGIN_S["chapters"])]
+           "--deadline", str(time.time() + _soft(budget, "chapters"))]
     record = run.step("chapters", cmd, budget)
     result = run.logs / "chapters.json"
     if result.exists():
@@ -533,6 +565,40 @@ def execute_chapters(folder: pathlib.Path, deadline: float | None) -> int:
 
 
 # ---------------------------------------------------------------- recording a returned run
+
+def download_wheels() -> int:
+    """`make gpu-wheels`: download WHEEL_PACKAGES and their dependencies for CPython 3.12 on
+    manylinux x86_64 (the GPU machine), drop what that machine has, keep the rest in .whl/."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:",
+               "--python-version", "3.12", "--implementation", "cp", "--dest", tmp]
+        for plat in WHEEL_PLATFORMS:
+            cmd += ["--platform", plat]
+        print(" ".join(cmd + WHEEL_PACKAGES), flush=True)
+        if subprocess.run(cmd + WHEEL_PACKAGES).returncode != 0:
+            print("pip download failed: .whl/ left as it was", file=sys.stderr)
+            return 1
+        WHEELS.mkdir(exist_ok=True)
+        for old in WHEELS.glob("*.whl"):
+            old.unlink()
+        kept, dropped = [], []
+        for whl in sorted(pathlib.Path(tmp).glob("*.whl")):
+            name = re.sub(r"[-_.]+", "-", whl.name.split("-")[0]).lower()
+            if name in GPU_MACHINE_HAS:
+                dropped.append(name)
+                continue
+            shutil.move(str(whl), WHEELS / whl.name)
+            kept.append(whl.name)
+    mib = sum(p.stat().st_size for p in WHEELS.glob("*.whl")) / 2**20
+    print(f"{len(kept)} wheels, {mib:.1f} MiB, in {WHEELS.relative_to(ROOT)}/ "
+          f"(left out, the GPU machine has them: {', '.join(dropped) or 'none'})")
+    for name in kept:
+        print(f"  {name}")
+    if mib > WHEELS_MAX_MIB:
+        print(f"warning: more than {WHEELS_MAX_MIB} MiB: the device tool carries 64 MiB per call, "
+              "the repository included", file=sys.stderr)
+    return 0
+
 
 def record(folder: pathlib.Path) -> int:
     """Copy a GPU run's files into data/bench/: the benchmark's JSON and CSV beside the others

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import os
 import pathlib
 from dataclasses import dataclass
 from typing import Callable
@@ -19,7 +20,8 @@ import torch
 from .. import timing
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-DATA_DIR = ROOT / "data" / "bench"
+# $KERNELS_BENCH_DIR: read recorded runs from elsewhere (the tests' recorded-run fixture).
+DATA_DIR = pathlib.Path(os.environ.get("KERNELS_BENCH_DIR") or ROOT / "data" / "bench")
 
 SWEEP = [256 * 2**i for i in range(11)]  # 256 … 262,144
 ELEMENTS = 2**26                         # elements per row-sized tensor: M = ELEMENTS // N rows
