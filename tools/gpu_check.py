@@ -205,6 +205,9 @@ class Run:
         self.t0 = time.monotonic()
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.env.pop("OUT", None)  # no child writes into $OUT behind our back
+        # The package is not installed there: every step (the chapters' kernels, which run in
+        # book/, too) imports it from the repository.
+        self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [self.env.get("PYTHONPATH"), str(ROOT)]))
         self.summary: dict = {}
 
     # -- files
@@ -385,7 +388,7 @@ def _wheels(run: Run) -> None:
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
            "--no-cache-dir", "--upgrade", "--target", str(SITE), *wheels]
     if run.step("wheels", cmd, budget)["returncode"] == 0:
-        run.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SITE), run.env.get("PYTHONPATH")]))
+        run.env["PYTHONPATH"] = os.pathsep.join([str(SITE), run.env["PYTHONPATH"]])
 
 
 def _bench(run: Run) -> dict:
@@ -422,12 +425,10 @@ def _tests(run: Run) -> None:
     if importlib.util.find_spec("xdist") is not None:
         cmd += ["-n", str(2 if run.dry_run else min(12, os.cpu_count() or 1))]
     run.env["GPU_CHECK_DEADLINE"] = str(time.time() + _soft(budget, "tests"))
-    env_path = run.env.get("PYTHONPATH")
-    run.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TOOLS), str(ROOT), env_path]))
+    env_path = run.env["PYTHONPATH"]
+    run.env["PYTHONPATH"] = os.pathsep.join([str(TOOLS), env_path])  # the budget plugin
     record = run.step("tests", cmd + files, budget)
-    run.env["PYTHONPATH"] = env_path if env_path is not None else ""
-    if not env_path:
-        run.env.pop("PYTHONPATH")
+    run.env["PYTHONPATH"] = env_path
     run.env.pop("GPU_CHECK_DEADLINE", None)
     counts = _junit_counts(xml)
     if counts:
@@ -554,7 +555,8 @@ def execute_chapters(folder: pathlib.Path, deadline: float | None) -> int:
                            resources={"metadata": {"path": str(path.parent)}}).execute()
             status = "ok"
         except Exception as exc:
-            status = f"failed: {type(exc).__name__}: {str(exc)[-600:]}"
+            plain = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))  # the traceback's terminal colours
+            status = f"failed: {type(exc).__name__}: {plain[-600:]}"
             failed += 1
         seconds = round(time.time() - t0, 1)
         results.append({"chapter": f, "status": status, "seconds": seconds})

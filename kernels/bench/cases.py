@@ -20,7 +20,7 @@ import torch
 from .. import timing
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-# $KERNELS_BENCH_DIR: read recorded runs from elsewhere (the tests' recorded-run fixture).
+# $KERNELS_BENCH_DIR: read recorded runs from there instead (the tests' fixture).
 DATA_DIR = pathlib.Path(os.environ.get("KERNELS_BENCH_DIR") or ROOT / "data" / "bench")
 
 SWEEP = [256 * 2**i for i in range(11)]  # 256 … 262,144
@@ -191,7 +191,8 @@ def build_layer_norm(M, N, dtype, device, backward=False):
 
 def build_fused_add_rms_norm(M, N, dtype, device, backward=False):
     ours = _kernel("fused_add_rms_norm")
-    x, r = _rand(M, N, dtype=dtype, device=device), _rand(M, N, dtype=dtype, device=device)
+    x = _rand(M, N, dtype=dtype, device=device)
+    r = _rand(M, N, dtype=dtype, device=device)
     w = _rand(N, dtype=dtype, device=device)
     try:
         fn = _liger("fused_add_rms_norm", "LigerFusedAddRMSNormFunction")
@@ -199,18 +200,31 @@ def build_fused_add_rms_norm(M, N, dtype, device, backward=False):
     except Skip as exc:
         liger = exc
     call = lambda x, r, w: ours(x, r, w, 1e-6)  # noqa: E731
+    shape = f"x, residual ({M}, {N})"
     if backward:
         _needs_backward(call, x, r, w)
-        dy, dh = _rand(M, N, dtype=dtype, device=device), _rand(M, N, dtype=dtype, device=device)
-        # Must move: read h (saved), w, dy and the residual stream's gradient dh; write the
-        # gradient of x + residual (the same tensor for both) and dw.
-        nbytes = timing.bytes_moved(x, w, dy, dh, torch.empty_like(x), torch.empty_like(w))
-        return Problem((x, r, w), nbytes, call, torch_fused_add_rms_norm, liger, wrt=(0, 1, 2),
-                       grad_outputs=(dy, dh), shape=f"x, residual ({M}, {N})")
+        dy = _rand(M, N, dtype=dtype, device=device)
+        dh = _rand(M, N, dtype=dtype, device=device)
+        # Must move: read h (saved), w, dy and the residual stream's gradient dh; write
+        # the gradient of x + residual (one tensor for both) and dw.
+        nbytes = timing.bytes_moved(
+            x, w, dy, dh, torch.empty_like(x), torch.empty_like(w)
+        )
+        return Problem(
+            (x, r, w),
+            nbytes,
+            call,
+            torch_fused_add_rms_norm,
+            liger,
+            wrt=(0, 1, 2),
+            grad_outputs=(dy, dh),
+            shape=shape,
+        )
     # Must move: read x, residual, w; write y and residual_out.
     nbytes = timing.bytes_moved(x, r, w, torch.empty_like(x), torch.empty_like(x))
-    return Problem((x, r, w), nbytes, call, torch_fused_add_rms_norm,
-                   liger, shape=f"x, residual ({M}, {N})")
+    return Problem(
+        (x, r, w), nbytes, call, torch_fused_add_rms_norm, liger, shape=shape
+    )
 
 
 def build_qk_norm_rope(M, N, dtype, device):
@@ -303,20 +317,61 @@ def build_sample(M, N, dtype, device):
 
 
 CASES = [
-    Case("rms_norm", "forward", lambda M, N, dt, dev: build_rms_norm(M, N, dt, dev), "forward"),
-    Case("rms_norm", "backward", lambda M, N, dt, dev: build_rms_norm(M, N, dt, dev, True), "backward"),
-    Case("layer_norm", "forward", lambda M, N, dt, dev: build_layer_norm(M, N, dt, dev), "forward"),
-    Case("layer_norm", "backward", lambda M, N, dt, dev: build_layer_norm(M, N, dt, dev, True), "backward"),
+    Case(
+        "rms_norm",
+        "forward",
+        lambda M, N, dt, dev: build_rms_norm(M, N, dt, dev),
+        "forward",
+    ),
+    Case(
+        "rms_norm",
+        "backward",
+        lambda M, N, dt, dev: build_rms_norm(M, N, dt, dev, True),
+        "backward",
+    ),
+    Case(
+        "layer_norm",
+        "forward",
+        lambda M, N, dt, dev: build_layer_norm(M, N, dt, dev),
+        "forward",
+    ),
+    Case(
+        "layer_norm",
+        "backward",
+        lambda M, N, dt, dev: build_layer_norm(M, N, dt, dev, True),
+        "backward",
+    ),
     Case("fused_add_rms_norm", "forward", build_fused_add_rms_norm, "fused add"),
     Case("qk_norm_rope", "forward", build_qk_norm_rope, "forward"),
-    Case("softmax", "forward", lambda M, N, dt, dev: build_softmax(M, N, dt, dev), "forward"),
-    Case("softmax", "backward", lambda M, N, dt, dev: build_softmax(M, N, dt, dev, True), "backward"),
-    Case("cross_entropy", "forward", lambda M, N, dt, dev: build_cross_entropy(M, N, dt, dev)),
-    Case("cross_entropy", "backward", lambda M, N, dt, dev: build_cross_entropy(M, N, dt, dev, True)),
+    Case(
+        "softmax",
+        "forward",
+        lambda M, N, dt, dev: build_softmax(M, N, dt, dev),
+        "forward",
+    ),
+    Case(
+        "softmax",
+        "backward",
+        lambda M, N, dt, dev: build_softmax(M, N, dt, dev, True),
+        "backward",
+    ),
+    Case(
+        "cross_entropy",
+        "forward",
+        lambda M, N, dt, dev: build_cross_entropy(M, N, dt, dev),
+    ),
+    Case(
+        "cross_entropy",
+        "backward",
+        lambda M, N, dt, dev: build_cross_entropy(M, N, dt, dev, True),
+    ),
     Case("attention", "forward", build_attention),
     Case("sample", "forward", build_sample),
     # the GPU day (kernels/bench/plan.py)
-    Case("fused_add_rms_norm", "backward",
-         lambda M, N, dt, dev: build_fused_add_rms_norm(M, N, dt, dev, True), "backward"),
+    Case(
+        "fused_add_rms_norm",
+        "backward",
+        lambda M, N, dt, dev: build_fused_add_rms_norm(M, N, dt, dev, True),
+        "backward",
+    ),
 ]
-
