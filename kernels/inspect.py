@@ -338,10 +338,7 @@ def _compile_and_read(fn, signature, constexprs, attrs, options, target, key: st
             cached = None
         # Another Triton compiles the same source differently: its entry does not count
         # (entries written before the version was recorded are taken as they are).
-        if (
-            cached is not None
-            and cached.get("triton", triton.__version__) == triton.__version__
-        ):
+        if cached is not None and cached.get("triton", triton.__version__) == triton.__version__:
             return cached
 
     t0 = time.perf_counter()
@@ -356,19 +353,11 @@ def _compile_and_read(fn, signature, constexprs, attrs, options, target, key: st
     # PTX parameters are the kernel's non-constexpr arguments, in order.
     runtime = [n for n in names if signature[n] != "constexpr"]
     pointers = {i: n for i, n in enumerate(runtime) if str(signature[n]).startswith("*")}
-    info = {
-        "ptx_sha": hashlib.sha256(ptx.encode()).hexdigest()[:16],
-        "num_warps": compiled.metadata.num_warps,
-        "shared": compiled.metadata.shared,
-        **(
-            parse_ptxas_log(_PTXAS_LOGS[-1])
-            if _PTXAS_LOGS
-            else _ptxas(ptx, target.arch, options.enable_fp_fusion)
-        ),
-        **analyze_ptx(ptx, pointers),
-        "compile_s": round(time.perf_counter() - t0, 3),
-        "triton": triton.__version__,
-    }
+    info = {"ptx_sha": hashlib.sha256(ptx.encode()).hexdigest()[:16],
+            "num_warps": compiled.metadata.num_warps, "shared": compiled.metadata.shared,
+            **(parse_ptxas_log(_PTXAS_LOGS[-1]) if _PTXAS_LOGS else _ptxas(ptx, target.arch, options.enable_fp_fusion)),
+            **analyze_ptx(ptx, pointers),
+            "compile_s": round(time.perf_counter() - t0, 3), "triton": triton.__version__}
     info["ptx"] = ptx
     CACHE.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -507,12 +496,8 @@ def _row(launch: dict, info: dict, gpu: GPU, arch: int, label: str, M: int, N: i
     return row
 
 
-def measured_gpu(
-    gpu: GPU,
-    bandwidth_gbps: float | None = None,
-    sms: int | None = None,
-    name: str | None = None,
-) -> GPU:
+def measured_gpu(gpu: GPU, bandwidth_gbps: float | None = None, sms: int | None = None,
+                 name: str | None = None) -> GPU:
     """``gpu`` with what was measured on a real one: the copy bandwidth (GB/s) in place of the
     datasheet's, so that ``predicted`` becomes a fraction of the *measured* copy bandwidth (the
     benchmark's ``pct_of_copy``), and the SM count the device reports."""
@@ -524,9 +509,7 @@ def measured_gpu(
     if sms:
         changes["sms"] = sms
     if name:
-        changes["name"] = (
-            f"{name} ({sms or gpu.sms} SMs, measured copy {bandwidth_gbps or 0:.0f} GB/s)"
-        )
+        changes["name"] = f"{name} ({sms or gpu.sms} SMs, measured copy {bandwidth_gbps or 0:.0f} GB/s)"
     return dataclasses.replace(gpu, **changes) if changes else gpu
 
 
@@ -622,18 +605,8 @@ def _child_env() -> dict:
     return env
 
 
-def run_inspector(
-    archs=(90,),
-    dtypes=DTYPES,
-    shapes="all",
-    calls=None,
-    latency_ns=LATENCY_NS,
-    ptx=False,
-    timeout=4 * 3600,
-    jobs=None,
-    call_shapes=None,
-    gpu_args=(),
-) -> dict:
+def run_inspector(archs=(90,), dtypes=DTYPES, shapes="all", calls=None, latency_ns=LATENCY_NS,
+                  ptx=False, timeout=4 * 3600, jobs=None, call_shapes=None, gpu_args=()) -> dict:
     """Run the inspector in a child process; returns ``{"meta": ..., "rows": [...]}``.
 
     ``shapes``: "all", "bench", "decode", or a list of (label, M, N). ``calls``: names such as
@@ -641,13 +614,8 @@ def run_inspector(
     ``call_shapes``: instead of calls × shapes, {call: [(label, M, N), ...]}, one child each
     (the GPU day inspects each kernel at the shapes it measured). ``gpu_args``: extra child
     arguments (--bandwidth-gbps, --sms, --gpu-name: see :func:`measured_gpu`)."""
-
     def spec(sh):
-        return (
-            sh
-            if isinstance(sh, str)
-            else ",".join(f"{lab}:{m}:{n}" for lab, m, n in sh)
-        )
+        return sh if isinstance(sh, str) else ",".join(f"{lab}:{m}:{n}" for lab, m, n in sh)
 
     archs = [archs] if isinstance(archs, int) else list(archs)
     if call_shapes:
@@ -668,28 +636,10 @@ def run_inspector(
         while pending or running:
             while pending and len(running) < jobs:
                 arch, dt, unit_calls, unit_shapes = pending.pop(0)
-                out = (
-                    pathlib.Path(tmp)
-                    / f"rows{arch}_{dt}_{len(done) + len(running)}.json"
-                )
-                cmd = [
-                    sys.executable,
-                    "-c",
-                    boot,
-                    "--arch",
-                    str(arch),
-                    "--out",
-                    str(out),
-                    "--dtypes",
-                    dt,
-                    "--shapes",
-                    unit_shapes,
-                    "--calls",
-                    ",".join(unit_calls),
-                    "--latency-ns",
-                    str(latency_ns),
-                    *gpu_args,
-                ] + (["--ptx"] if ptx else [])
+                out = pathlib.Path(tmp) / f"rows{arch}_{dt}_{len(done) + len(running)}.json"
+                cmd = [sys.executable, "-c", boot, "--arch", str(arch), "--out", str(out), "--dtypes", dt,
+                       "--shapes", unit_shapes, "--calls", ",".join(unit_calls),
+                       "--latency-ns", str(latency_ns), *gpu_args] + (["--ptx"] if ptx else [])
                 log = out.with_suffix(".log")
                 with log.open("w") as f:
                     running.append((out, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f,
@@ -773,12 +723,7 @@ def markdown_table(rows: list[dict], columns=tuple(COLUMNS)) -> str:
     return "\n".join(out)
 
 
-_SHORT_DTYPE = {
-    "bfloat16": "bf16",
-    "float16": "fp16",
-    "float32": "fp32",
-    "float64": "fp64",
-}
+_SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
 
 
 def measured_vs_predicted(bench: dict, inspected: dict) -> dict:
@@ -788,8 +733,7 @@ def measured_vs_predicted(bench: dict, inspected: dict) -> dict:
 
     ``bench`` is a benchmark JSON (``python -m kernels.bench``), ``inspected`` the inspector's
     JSON for the same GPU, ideally run with ``--bandwidth-gbps`` set to the measured copy
-    bandwidth so that both fractions have the same denominator (``meta.same_denominator``).
-    """
+    bandwidth so that both fractions have the same denominator (``meta.same_denominator``)."""
     prov = bench.get("provenance", {})
     dtype = _SHORT_DTYPE.get(prov.get("dtype", ""), prov.get("dtype"))
     copy = bench.get("copy", {}).get("GB/s")
@@ -797,103 +741,54 @@ def measured_vs_predicted(bench: dict, inspected: dict) -> dict:
     for r in inspected.get("rows", []):
         if "error" in r:
             continue
-        launches.setdefault(
-            (r["call"], r["phase"], r["M"], r["N"], r["dtype"]), []
-        ).append(r)
+        launches.setdefault((r["call"], r["phase"], r["M"], r["N"], r["dtype"]), []).append(r)
     rows = []
     for b in bench.get("results", []):
-        if (
-            b.get("provider") != "kernels"
-            or b.get("status") != "ok"
-            or b.get("pct_of_copy") is None
-        ):
+        if b.get("provider") != "kernels" or b.get("status") != "ok" or b.get("pct_of_copy") is None:
             continue
         found = launches.get((b["kernel"], b["direction"], b["M"], b["N"], dtype), [])
         preds = [r["predicted"] for r in found if r.get("predicted") is not None]
         measured = b["pct_of_copy"] / 100
         predicted = min(preds) if preds else None
-        rows.append(
-            {
-                "case": f"{b['kernel']}.{b['direction']}",
-                "regime": b.get("regime", ""),
-                "M": b["M"],
-                "N": b["N"],
-                "dtype": dtype,
-                "ms": b["ms"],
-                "GB/s": b["GB/s"],
-                "measured": round(measured, 4),
-                "predicted": predicted,
-                "measured / predicted": (
-                    round(measured / predicted, 3) if predicted else None
-                ),
-                "launches": [
-                    {
-                        "kernel": r["kernel"],
-                        "predicted": r["predicted"],
-                        "grid": r["grid"],
-                        "ctas_per_sm": r["ctas_per_sm"],
-                        "registers": r["registers"],
-                        "spill_bytes": r["spill_stores"] + r["spill_loads"],
-                    }
-                    for r in found
-                ],
-            }
-        )
+        rows.append({
+            "case": f"{b['kernel']}.{b['direction']}", "regime": b.get("regime", ""), "M": b["M"],
+            "N": b["N"], "dtype": dtype, "ms": b["ms"], "GB/s": b["GB/s"], "measured": round(measured, 4),
+            "predicted": predicted,
+            "measured / predicted": round(measured / predicted, 3) if predicted else None,
+            "launches": [{"kernel": r["kernel"], "predicted": r["predicted"], "grid": r["grid"],
+                          "ctas_per_sm": r["ctas_per_sm"], "registers": r["registers"],
+                          "spill_bytes": r["spill_stores"] + r["spill_loads"]} for r in found],
+        })
     meta = inspected.get("meta", {})
     bandwidths = {k: v.get("bandwidth") for k, v in meta.get("gpus", {}).items()}
-    same = bool(copy) and any(
-        bw and abs(bw / 1e9 - copy) <= 0.5 for bw in bandwidths.values()
-    )
-    return {
-        "meta": {
-            "gpu": prov.get("gpu"),
-            "date": prov.get("date"),
-            "torch": prov.get("torch"),
-            "triton": prov.get("triton"),
-            "cuda": prov.get("cuda"),
-            "dtype": dtype,
-            "copy_GB/s": copy,
-            "smoke": prov.get("smoke"),
-            "latency_ns": meta.get("latency_ns"),
-            "inspector_triton": meta.get("triton"),
-            "same_denominator": same,
-            "note": "measured: GB/s over the measured copy GB/s; predicted: the inspector's "
-            "model (Little's law and waves), not a measurement",
-        },
-        "rows": rows,
-    }
+    same = bool(copy) and any(bw and abs(bw / 1e9 - copy) <= 0.5 for bw in bandwidths.values())
+    return {"meta": {"gpu": prov.get("gpu"), "date": prov.get("date"), "torch": prov.get("torch"),
+                     "triton": prov.get("triton"), "cuda": prov.get("cuda"), "dtype": dtype,
+                     "copy_GB/s": copy, "smoke": prov.get("smoke"), "latency_ns": meta.get("latency_ns"),
+                     "inspector_triton": meta.get("triton"), "same_denominator": same,
+                     "note": "measured: GB/s over the measured copy GB/s; predicted: the inspector's "
+                             "model (Little's law and waves), not a measurement"},
+            "rows": rows}
 
 
 def comparison_markdown(table: dict) -> str:
     """:func:`measured_vs_predicted` as a Markdown table."""
     m = table["meta"]
     copy = f"{m['copy_GB/s']:.0f} GB/s" if m.get("copy_GB/s") else "unknown"
-    head = [
-        f"Measured on {m['gpu']} ({m['date']}; torch {m['torch']}, triton {m['triton']}, "
-        f"CUDA {m['cuda']}; {m['dtype']}; copy {copy}) against the inspector's prediction "
-        f"(triton {m['inspector_triton']}, {m['latency_ns']} ns assumed latency).",
-        "",
-        "| case | M | N | ms | measured % of copy | predicted % | measured / predicted | launches |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    head = [f"Measured on {m['gpu']} ({m['date']}; torch {m['torch']}, triton {m['triton']}, "
+            f"CUDA {m['cuda']}; {m['dtype']}; copy {copy}) against the inspector's prediction "
+            f"(triton {m['inspector_triton']}, {m['latency_ns']} ns assumed latency).", "",
+            "| case | M | N | ms | measured % of copy | predicted % | measured / predicted | launches |",
+            "|---|---|---|---|---|---|---|---|"]
 
     def pct(v):
         return "-" if v is None else f"{100 * v:.0f}"
 
     for r in table["rows"]:
-        each = (
-            ", ".join(f"{x['kernel']} {pct(x['predicted'])}" for x in r["launches"])
-            or "not inspected"
-        )
-        ratio = (
-            "-"
-            if r["measured / predicted"] is None
-            else f"{r['measured / predicted']:.2f}"
-        )
-        head.append(
-            f"| {r['case']} | {r['M']} | {r['N']} | {r['ms']:.4f} | {pct(r['measured'])} | "
-            f"{pct(r['predicted'])} | {ratio} | {each} |"
-        )
+        each = ", ".join(f"{x['kernel']} {pct(x['predicted'])}" for x in r["launches"]) or "not inspected"
+        ratio = "-" if r["measured / predicted"] is None else f"{r['measured / predicted']:.2f}"
+        head.append(f"| {r['case']} | {r['M']} | {r['N']} | {r['ms']:.4f} | {pct(r['measured'])} | "
+                    f"{pct(r['predicted'])} | {ratio} | {each} |")
     return "\n".join(head)
 
 
@@ -914,17 +809,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", default="", help="comma-separated subset, e.g. rms_norm,layer_norm")
     p.add_argument("--latency-ns", type=float, default=LATENCY_NS)
     p.add_argument("--jobs", type=int, default=None, help="child processes at once (default: the CPU count)")
-    p.add_argument(
-        "--call-shapes",
-        default="",
-        help="per call, its own shapes: 'rms_norm=plan:1024:131072,plan:1:4096;softmax=...' "
-        "(instead of --calls × --shapes)",
-    )
-    p.add_argument(
-        "--bandwidth-gbps",
-        type=float,
-        help="a measured copy bandwidth in place of the datasheet's",
-    )
+    p.add_argument("--call-shapes", default="",
+                   help="per call, its own shapes: 'rms_norm=plan:1024:131072,plan:1:4096;softmax=...' "
+                        "(instead of --calls × --shapes)")
+    p.add_argument("--bandwidth-gbps", type=float, help="a measured copy bandwidth in place of the datasheet's")
     p.add_argument("--sms", type=int, help="the SM count of the GPU measured")
     p.add_argument("--gpu-name", help="the name of the GPU measured")
     a = p.parse_args(argv)
@@ -936,30 +824,16 @@ def main(argv: list[str] | None = None) -> int:
     call_shapes = {}
     for part in filter(None, a.call_shapes.split(";")):
         call, _, spec = part.partition("=")
-        call_shapes[call] = [
-            (s.split(":")[0], int(s.split(":")[1]), int(s.split(":")[2]))
-            for s in spec.split(",")
-        ]
+        call_shapes[call] = [(s.split(":")[0], int(s.split(":")[1]), int(s.split(":")[2]))
+                             for s in spec.split(",")]
     gpu_args = []
-    for flag, value in (
-        ("--bandwidth-gbps", a.bandwidth_gbps),
-        ("--sms", a.sms),
-        ("--gpu-name", a.gpu_name),
-    ):
+    for flag, value in (("--bandwidth-gbps", a.bandwidth_gbps), ("--sms", a.sms), ("--gpu-name", a.gpu_name)):
         if value:
             gpu_args += [flag, str(value)]
     for arch in archs:
         GPUS[arch] = measured_gpu(GPUS[arch], a.bandwidth_gbps, a.sms, a.gpu_name)
-    result = run_inspector(
-        archs,
-        a.dtypes.split(","),
-        a.shapes,
-        [c for c in a.calls.split(",") if c],
-        a.latency_ns,
-        jobs=a.jobs,
-        call_shapes=call_shapes or None,
-        gpu_args=gpu_args,
-    )
+    result = run_inspector(archs, a.dtypes.split(","), a.shapes, [c for c in a.calls.split(",") if c],
+                           a.latency_ns, jobs=a.jobs, call_shapes=call_shapes or None, gpu_args=gpu_args)
     rows = result["rows"]
     meta = result["meta"]
     for arch in archs:

@@ -207,24 +207,12 @@ def build_fused_add_rms_norm(M, N, dtype, device, backward=False):
         dh = _rand(M, N, dtype=dtype, device=device)
         # Must move: read h (saved), w, dy and the residual stream's gradient dh; write
         # the gradient of x + residual (one tensor for both) and dw.
-        nbytes = timing.bytes_moved(
-            x, w, dy, dh, torch.empty_like(x), torch.empty_like(w)
-        )
-        return Problem(
-            (x, r, w),
-            nbytes,
-            call,
-            torch_fused_add_rms_norm,
-            liger,
-            wrt=(0, 1, 2),
-            grad_outputs=(dy, dh),
-            shape=shape,
-        )
+        nbytes = timing.bytes_moved(x, w, dy, dh, torch.empty_like(x), torch.empty_like(w))
+        return Problem((x, r, w), nbytes, call, torch_fused_add_rms_norm, liger,
+                       wrt=(0, 1, 2), grad_outputs=(dy, dh), shape=shape)
     # Must move: read x, residual, w; write y and residual_out.
     nbytes = timing.bytes_moved(x, r, w, torch.empty_like(x), torch.empty_like(x))
-    return Problem(
-        (x, r, w), nbytes, call, torch_fused_add_rms_norm, liger, shape=shape
-    )
+    return Problem((x, r, w), nbytes, call, torch_fused_add_rms_norm, liger, shape=shape)
 
 
 def build_qk_norm_rope(M, N, dtype, device):
@@ -317,61 +305,21 @@ def build_sample(M, N, dtype, device):
 
 
 CASES = [
-    Case(
-        "rms_norm",
-        "forward",
-        lambda M, N, dt, dev: build_rms_norm(M, N, dt, dev),
-        "forward",
-    ),
-    Case(
-        "rms_norm",
-        "backward",
-        lambda M, N, dt, dev: build_rms_norm(M, N, dt, dev, True),
-        "backward",
-    ),
-    Case(
-        "layer_norm",
-        "forward",
-        lambda M, N, dt, dev: build_layer_norm(M, N, dt, dev),
-        "forward",
-    ),
-    Case(
-        "layer_norm",
-        "backward",
-        lambda M, N, dt, dev: build_layer_norm(M, N, dt, dev, True),
-        "backward",
-    ),
+    Case("rms_norm", "forward", lambda M, N, dt, dev: build_rms_norm(M, N, dt, dev), "forward"),
+    Case("rms_norm", "backward", lambda M, N, dt, dev: build_rms_norm(M, N, dt, dev, True), "backward"),
+    Case("layer_norm", "forward", lambda M, N, dt, dev: build_layer_norm(M, N, dt, dev), "forward"),
+    Case("layer_norm", "backward", lambda M, N, dt, dev: build_layer_norm(M, N, dt, dev, True), "backward"),
     Case("fused_add_rms_norm", "forward", build_fused_add_rms_norm, "fused add"),
     Case("qk_norm_rope", "forward", build_qk_norm_rope, "forward"),
-    Case(
-        "softmax",
-        "forward",
-        lambda M, N, dt, dev: build_softmax(M, N, dt, dev),
-        "forward",
-    ),
-    Case(
-        "softmax",
-        "backward",
-        lambda M, N, dt, dev: build_softmax(M, N, dt, dev, True),
-        "backward",
-    ),
-    Case(
-        "cross_entropy",
-        "forward",
-        lambda M, N, dt, dev: build_cross_entropy(M, N, dt, dev),
-    ),
-    Case(
-        "cross_entropy",
-        "backward",
-        lambda M, N, dt, dev: build_cross_entropy(M, N, dt, dev, True),
-    ),
+    Case("softmax", "forward", lambda M, N, dt, dev: build_softmax(M, N, dt, dev), "forward"),
+    Case("softmax", "backward", lambda M, N, dt, dev: build_softmax(M, N, dt, dev, True), "backward"),
+    Case("cross_entropy", "forward", lambda M, N, dt, dev: build_cross_entropy(M, N, dt, dev)),
+    Case("cross_entropy", "backward", lambda M, N, dt, dev: build_cross_entropy(M, N, dt, dev, True)),
     Case("attention", "forward", build_attention),
     Case("sample", "forward", build_sample),
     # the GPU day (kernels/bench/plan.py)
-    Case(
-        "fused_add_rms_norm",
-        "backward",
-        lambda M, N, dt, dev: build_fused_add_rms_norm(M, N, dt, dev, True),
-        "backward",
-    ),
+    Case("fused_add_rms_norm", "backward",
+         lambda M, N, dt, dev: build_fused_add_rms_norm(M, N, dt, dev, True),
+         "backward"),
 ]
+

@@ -26,32 +26,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ELEMENTS = 2**27  # M·N of the row shapes: 256 MiB of bf16 per tensor
+ELEMENTS = 2**27                        # M·N of the row shapes: 256 MiB of bf16 per tensor
 HEADLINE_N = (4096, 8192, 32768, 131072)
 ROWS = tuple((ELEMENTS // n, n) for n in HEADLINE_N)
 DECODE = ((1, 4096), (8, 4096), (64, 4096))  # a few tokens of a 4096-wide model
-VOCAB = 151_936  # Qwen's vocabulary
-LOGITS = ((1024, VOCAB),)  # a batch of 1,024 tokens' logits
-ATTENTION = (
-    (1024, 4096),
-    (2048, 4096),
-    (4096, 4096),
-)  # one causal sequence, 32 heads of 128
+VOCAB = 151_936                         # Qwen's vocabulary
+LOGITS = ((1024, VOCAB),)               # a batch of 1,024 tokens' logits
+ATTENTION = ((1024, 4096), (2048, 4096), (4096, 4096))  # one causal sequence, 32 heads of 128
 SAMPLE = ((1, VOCAB), (64, VOCAB))
 
-SMOKE_ROWS = (
-    (16, 256),
-    (1, 256),
-)  # the dry run: the interpreter runs one program at a time
+SMOKE_ROWS = ((16, 256), (1, 256))      # the dry run: the interpreter runs one program at a time
 SMOKE_LOGITS = ((4, 1000),)
 SMOKE_ATTENTION = ((64, 256),)
 
 
 @dataclass(frozen=True)
 class Entry:
-    case: str  # a Case.name in kernels.bench.cases.CASES
+    case: str                           # a Case.name in kernels.bench.cases.CASES
     shapes: tuple
-    compile_at: tuple = (0, 1)  # indices into shapes where torch.compile is timed too
+    compile_at: tuple = (0, 1)          # indices into shapes where torch.compile is timed too
     smoke: tuple = SMOKE_ROWS
 
 
