@@ -34,6 +34,8 @@ VOCAB = 151_936                         # Qwen's vocabulary
 LOGITS = ((1024, VOCAB),)               # a batch of 1,024 tokens' logits
 ATTENTION = ((1024, 4096), (2048, 4096), (4096, 4096))  # one causal sequence, 32 heads of 128
 SAMPLE = ((1, VOCAB), (64, VOCAB))
+SWIGLU = ((8192, 12288), (1, 12288), (64, 12288))  # tokens × Qwen3-8B's MLP width
+KV_CACHE = ((1, 4096), (64, 4096), (8, 32768))   # requests × cached tokens, one new each
 
 SMOKE_ROWS = ((16, 256), (1, 256))      # the dry run: the interpreter runs one program at a time
 SMOKE_LOGITS = ((4, 1000),)
@@ -63,6 +65,9 @@ PLAN = [
     Entry("attention.forward", ATTENTION, (0, 2), SMOKE_ATTENTION),
     Entry("sample.forward", SAMPLE, (0, 1), SMOKE_LOGITS),
     Entry("qk_norm_rope.forward", ((4096, 4096),) + DECODE[:1], (0,), SMOKE_ROWS),
+    Entry("swiglu.forward", SWIGLU),
+    Entry("swiglu.backward", SWIGLU),
+    Entry("decode_attention.forward", KV_CACHE, (0, 2), ((1, 256),)),
 ]
 
 PLANS = {"gpu-day": PLAN}
