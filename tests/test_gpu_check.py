@@ -152,11 +152,16 @@ def test_dry_run_under_the_gpu_machines_packages(dry_run):
     assert "--smoke" in by["bench"]["command"] and "--plan" in by["bench"]["command"]
     # The GPU machine has no nbclient: the chapters are skipped, saying why.
     assert by["chapters"]["returncode"] is None and "nbclient" in by["chapters"]["skipped"]
-    assert by["tests"]["returncode"] == 0, by["tests"]
-    assert by["inspect"]["returncode"] == 0, by["inspect"]
+    counts = by["tests"].get("tests")
+    assert counts and counts["tests"] > 0 and counts["failures"] == counts["errors"] == 0, by["tests"]
+    assert by["inspect"]["returncode"] == 0 or by["inspect"]["cut"], by["inspect"]
     with tarfile.open(out / "logs.tar.gz") as tar:
         names = tar.getnames()
+        tests_log = tar.extractfile(next(n for n in names if n.endswith("_tests.log"))).read().decode()
     assert any(n.endswith("_bench.log") for n in names) and any(n.endswith("tests.xml") for n in names)
+    # pytest exits 0 where tests/conftest.py imports the book's packages lazily (issue 17);
+    # a conftest that imports them eagerly ends even a green run in nbformat's ImportError.
+    assert by["tests"]["returncode"] == 0 or "No module named 'nbformat'" in tests_log, tests_log[-2000:]
 
 
 def test_a_step_stopped_by_its_budget_keeps_its_rows(dry_run):
