@@ -104,7 +104,9 @@ def _interpreter_index_fix() -> bool:
 
     def patch_lang_tensor(tensor, scope):
         original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+        scope.set_attr(
+            tensor, "__index__", lambda self: int(self.handle.data.squeeze())
+        )
 
     patch_lang_tensor.kernels_index_fix = True
     interpreter._patch_lang_tensor = patch_lang_tensor

@@ -522,8 +522,12 @@ def _row(launch: dict, info: dict, gpu: GPU, arch: int, label: str, M: int, N: i
     return row
 
 
-def measured_gpu(gpu: GPU, bandwidth_gbps: float | None = None, sms: int | None = None,
-                 name: str | None = None) -> GPU:
+def measured_gpu(
+    gpu: GPU,
+    bandwidth_gbps: float | None = None,
+    sms: int | None = None,
+    name: str | None = None,
+) -> GPU:
     """``gpu`` with what was measured on a real one: the copy bandwidth (GB/s) in place of the
     datasheet's, so that ``predicted`` becomes a fraction of the *measured* copy bandwidth (the
     benchmark's ``pct_of_copy``), and the SM count the device reports."""
@@ -535,7 +539,9 @@ def measured_gpu(gpu: GPU, bandwidth_gbps: float | None = None, sms: int | None 
     if sms:
         changes["sms"] = sms
     if name:
-        changes["name"] = f"{name} ({sms or gpu.sms} SMs, measured copy {bandwidth_gbps or 0:.0f} GB/s)"
+        changes["name"] = (
+            f"{name} ({sms or gpu.sms} SMs, measured copy {bandwidth_gbps or 0:.0f} GB/s)"
+        )
     return dataclasses.replace(gpu, **changes) if changes else gpu
 
 
@@ -759,7 +765,8 @@ def measured_vs_predicted(bench: dict, inspected: dict) -> dict:
 
     ``bench`` is a benchmark JSON (``python -m kernels.bench``), ``inspected`` the inspector's
     JSON for the same GPU, ideally run with ``--bandwidth-gbps`` set to the measured copy
-    bandwidth so that both fractions have the same denominator (``meta.same_denominator``)."""
+    bandwidth so that both fractions have the same denominator (``meta.same_denominator``).
+    """
     prov = bench.get("provenance", {})
     dtype = _SHORT_DTYPE.get(prov.get("dtype", ""), prov.get("dtype"))
     copy = bench.get("copy", {}).get("GB/s")
@@ -767,54 +774,103 @@ def measured_vs_predicted(bench: dict, inspected: dict) -> dict:
     for r in inspected.get("rows", []):
         if "error" in r:
             continue
-        launches.setdefault((r["call"], r["phase"], r["M"], r["N"], r["dtype"]), []).append(r)
+        launches.setdefault(
+            (r["call"], r["phase"], r["M"], r["N"], r["dtype"]), []
+        ).append(r)
     rows = []
     for b in bench.get("results", []):
-        if b.get("provider") != "kernels" or b.get("status") != "ok" or b.get("pct_of_copy") is None:
+        if (
+            b.get("provider") != "kernels"
+            or b.get("status") != "ok"
+            or b.get("pct_of_copy") is None
+        ):
             continue
         found = launches.get((b["kernel"], b["direction"], b["M"], b["N"], dtype), [])
         preds = [r["predicted"] for r in found if r.get("predicted") is not None]
         measured = b["pct_of_copy"] / 100
         predicted = min(preds) if preds else None
-        rows.append({
-            "case": f"{b['kernel']}.{b['direction']}", "regime": b.get("regime", ""), "M": b["M"],
-            "N": b["N"], "dtype": dtype, "ms": b["ms"], "GB/s": b["GB/s"], "measured": round(measured, 4),
-            "predicted": predicted,
-            "measured / predicted": round(measured / predicted, 3) if predicted else None,
-            "launches": [{"kernel": r["kernel"], "predicted": r["predicted"], "grid": r["grid"],
-                          "ctas_per_sm": r["ctas_per_sm"], "registers": r["registers"],
-                          "spill_bytes": r["spill_stores"] + r["spill_loads"]} for r in found],
-        })
+        rows.append(
+            {
+                "case": f"{b['kernel']}.{b['direction']}",
+                "regime": b.get("regime", ""),
+                "M": b["M"],
+                "N": b["N"],
+                "dtype": dtype,
+                "ms": b["ms"],
+                "GB/s": b["GB/s"],
+                "measured": round(measured, 4),
+                "predicted": predicted,
+                "measured / predicted": (
+                    round(measured / predicted, 3) if predicted else None
+                ),
+                "launches": [
+                    {
+                        "kernel": r["kernel"],
+                        "predicted": r["predicted"],
+                        "grid": r["grid"],
+                        "ctas_per_sm": r["ctas_per_sm"],
+                        "registers": r["registers"],
+                        "spill_bytes": r["spill_stores"] + r["spill_loads"],
+                    }
+                    for r in found
+                ],
+            }
+        )
     meta = inspected.get("meta", {})
     bandwidths = {k: v.get("bandwidth") for k, v in meta.get("gpus", {}).items()}
-    same = bool(copy) and any(bw and abs(bw / 1e9 - copy) <= 0.5 for bw in bandwidths.values())
-    return {"meta": {"gpu": prov.get("gpu"), "date": prov.get("date"), "torch": prov.get("torch"),
-                     "triton": prov.get("triton"), "cuda": prov.get("cuda"), "dtype": dtype,
-                     "copy_GB/s": copy, "smoke": prov.get("smoke"), "latency_ns": meta.get("latency_ns"),
-                     "inspector_triton": meta.get("triton"), "same_denominator": same,
-                     "note": "measured: GB/s over the measured copy GB/s; predicted: the inspector's "
-                             "model (Little's law and waves), not a measurement"},
-            "rows": rows}
+    same = bool(copy) and any(
+        bw and abs(bw / 1e9 - copy) <= 0.5 for bw in bandwidths.values()
+    )
+    return {
+        "meta": {
+            "gpu": prov.get("gpu"),
+            "date": prov.get("date"),
+            "torch": prov.get("torch"),
+            "triton": prov.get("triton"),
+            "cuda": prov.get("cuda"),
+            "dtype": dtype,
+            "copy_GB/s": copy,
+            "smoke": prov.get("smoke"),
+            "latency_ns": meta.get("latency_ns"),
+            "inspector_triton": meta.get("triton"),
+            "same_denominator": same,
+            "note": "measured: GB/s over the measured copy GB/s; predicted: the inspector's "
+            "model (Little's law and waves), not a measurement",
+        },
+        "rows": rows,
+    }
 
 
 def comparison_markdown(table: dict) -> str:
     """:func:`measured_vs_predicted` as a Markdown table."""
     m = table["meta"]
     copy = f"{m['copy_GB/s']:.0f} GB/s" if m.get("copy_GB/s") else "unknown"
-    head = [f"Measured on {m['gpu']} ({m['date']}; torch {m['torch']}, triton {m['triton']}, "
-            f"CUDA {m['cuda']}; {m['dtype']}; copy {copy}) against the inspector's prediction "
-            f"(triton {m['inspector_triton']}, {m['latency_ns']} ns assumed latency).", "",
-            "| case | M | N | ms | measured % of copy | predicted % | measured / predicted | launches |",
-            "|---|---|---|---|---|---|---|---|"]
+    head = [
+        f"Measured on {m['gpu']} ({m['date']}; torch {m['torch']}, triton {m['triton']}, "
+        f"CUDA {m['cuda']}; {m['dtype']}; copy {copy}) against the inspector's prediction "
+        f"(triton {m['inspector_triton']}, {m['latency_ns']} ns assumed latency).",
+        "",
+        "| case | M | N | ms | measured % of copy | predicted % | measured / predicted | launches |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
 
     def pct(v):
         return "-" if v is None else f"{100 * v:.0f}"
 
     for r in table["rows"]:
-        each = ", ".join(f"{x['kernel']} {pct(x['predicted'])}" for x in r["launches"]) or "not inspected"
-        ratio = "-" if r["measured / predicted"] is None else f"{r['measured / predicted']:.2f}"
-        head.append(f"| {r['case']} | {r['M']} | {r['N']} | {r['ms']:.4f} | {pct(r['measured'])} | "
-                    f"{pct(r['predicted'])} | {ratio} | {each} |")
+        each = (
+            ", ".join(f"{x['kernel']} {pct(x['predicted'])}" for x in r["launches"])
+            or "not inspected"
+        )
+        ratio = (
+            "-"
+            if r["measured / predicted"] is None
+            else f"{r['measured / predicted']:.2f}"
+        )
+        head.append(
+            f"| {r['case']} | {r['M']} | {r['N']} | {r['ms']:.4f} | {pct(r['measured'])} | "
+            f"{pct(r['predicted'])} | {ratio} | {each} |"
+        )
     return "\n".join(head)
 
 

@@ -92,7 +92,8 @@ def compare(
 
 def kernels_called(fn: Callable) -> set[str]:
     """Names a callable (a chapter's timing lambda) calls, read from its code and the code
-    of the functions it closes over: ``lambda: kernels.rms_norm(x, w)`` calls ``rms_norm``."""
+    of the functions it closes over: ``lambda: kernels.rms_norm(x, w)`` calls ``rms_norm``.
+    """
     names: set[str] = set()
     seen = set()
     todo = [fn]
@@ -103,8 +104,11 @@ def kernels_called(fn: Callable) -> set[str]:
             continue
         seen.add(id(code))
         names.update(code.co_names)
-        todo.extend(c.cell_contents for c in (getattr(f, "__closure__", None) or ())
-                    if callable(getattr(c, "cell_contents", None)))
+        todo.extend(
+            c.cell_contents
+            for c in (getattr(f, "__closure__", None) or ())
+            if callable(getattr(c, "cell_contents", None))
+        )
     return names
 
 

@@ -1,43 +1,47 @@
-"""The trimmed benchmark a lent GPU runs first (``python -m kernels.bench --plan gpu-day``).
+"""The GPU day's trimmed benchmark: ``python -m kernels.bench --plan gpu-day``.
 
-A GPU machine is lent for minutes at a time, so ``tools/gpu_check.py`` cannot afford the full
-sweep (every case at 13 shapes, torch.compile at each). This plan measures, in order of value:
+A GPU machine is lent for minutes at a time, so ``tools/gpu_check.py`` cannot afford the
+full sweep (every case at 13 shapes, torch.compile at each). This plan measures, in
+order of value:
 
 1. the device-to-device copy bandwidth (the speed of light every row is divided by);
-2. every entry of :data:`PLAN` at its shapes, for our Triton kernel and eager PyTorch (and
-   Liger-Kernel where installed), in the order listed;
-3. then torch.compile, at two shapes per entry (it compiles once per shape, for seconds).
+2. every entry of :data:`PLAN` at its shapes, for our Triton kernel and eager PyTorch
+   (and Liger-Kernel where installed), in the order listed;
+3. then torch.compile, at two shapes per entry (it compiles once per shape: seconds).
 
-Rows are written as they are measured, so a run stopped by its budget keeps everything before
-the stop (see :func:`kernels.bench.runner.run_plan`).
+Rows are written as they are measured, so a run stopped by its budget keeps everything
+before the stop (see :func:`kernels.bench.runner.run_plan`).
 
 Adding a case to the GPU day is one line in :data:`PLAN`, after its ``Case`` exists in
 :data:`kernels.bench.cases.CASES`::
 
-    Entry("swiglu.forward", ROWS + DECODE),
+    Entry("swiglu.forward", SWIGLU),
 
-``shapes`` are ``(M, N)`` as the case's builder reads them (rows × hidden size; for attention,
-tokens × heads·head_dim; for cross-entropy and sampling, rows × vocabulary). ``compile_at``
-picks which of them torch.compile is also timed at (indices into ``shapes``; default the first
-two). ``smoke`` are the tiny shapes of the CPU dry run (``--smoke``), in Triton's interpreter.
+``shapes`` are ``(M, N)`` as the case's builder reads them (rows × hidden size; for
+attention, tokens × heads·head_dim; for cross-entropy and sampling, rows × vocabulary).
+``compile_at`` picks which of them torch.compile is also timed at (indices into
+``shapes``; default the first two). ``smoke`` are the tiny shapes of the CPU dry run
+(``--smoke``), in Triton's interpreter.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-ELEMENTS = 2**27                        # M·N of the row shapes: 256 MiB of bf16 per tensor
+ELEMENTS = 2**27                        # M·N of the row shapes: 256 MiB of bf16
 HEADLINE_N = (4096, 8192, 32768, 131072)
 ROWS = tuple((ELEMENTS // n, n) for n in HEADLINE_N)
 DECODE = ((1, 4096), (8, 4096), (64, 4096))  # a few tokens of a 4096-wide model
 VOCAB = 151_936                         # Qwen's vocabulary
 LOGITS = ((1024, VOCAB),)               # a batch of 1,024 tokens' logits
-ATTENTION = ((1024, 4096), (2048, 4096), (4096, 4096))  # one causal sequence, 32 heads of 128
+# one causal sequence of 32 heads of 128
+ATTENTION = ((1024, 4096), (2048, 4096), (4096, 4096))
 SAMPLE = ((1, VOCAB), (64, VOCAB))
 SWIGLU = ((8192, 12288), (1, 12288), (64, 12288))  # tokens × Qwen3-8B's MLP width
-KV_CACHE = ((1, 4096), (64, 4096), (8, 32768))   # requests × cached tokens, one new each
+KV_CACHE = ((1, 4096), (64, 4096), (8, 32768))   # requests × cached tokens
 
-SMOKE_ROWS = ((16, 256), (1, 256))      # the dry run: the interpreter runs one program at a time
+# the dry run: the interpreter runs one program at a time
+SMOKE_ROWS = ((16, 256), (1, 256))
 SMOKE_LOGITS = ((4, 1000),)
 SMOKE_ATTENTION = ((64, 256),)
 
@@ -46,7 +50,7 @@ SMOKE_ATTENTION = ((64, 256),)
 class Entry:
     case: str                           # a Case.name in kernels.bench.cases.CASES
     shapes: tuple
-    compile_at: tuple = (0, 1)          # indices into shapes where torch.compile is timed too
+    compile_at: tuple = (0, 1)          # indices into shapes: torch.compile timed too
     smoke: tuple = SMOKE_ROWS
 
 

@@ -244,13 +244,25 @@ def run(cases: list[Case], sizes: list[int], *, elements: int, dtype: torch.dtyp
     return rows
 
 
-def run_plan(plan, *, smoke: bool, dtype: torch.dtype, providers: list[str], timer, copy_gbps: float,
-             compile_ok: bool, log=print, on_rows=None, deadline: float | None = None):
+def run_plan(
+    plan,
+    *,
+    smoke: bool,
+    dtype: torch.dtype,
+    providers: list[str],
+    timer,
+    copy_gbps: float,
+    compile_ok: bool,
+    log=print,
+    on_rows=None,
+    deadline: float | None = None,
+):
     """The trimmed benchmark (:mod:`kernels.bench.plan`): every entry at its shapes for every
     provider but torch.compile, in the plan's order; then torch.compile at each entry's
     ``compile_at`` shapes. ``on_rows(rows)`` is called after every shape (the caller writes the
     files then: a stop keeps what was measured). ``deadline`` (``time.monotonic()``): no new
-    shape starts after it. Returns ``(rows, cut)``, ``cut`` None or what was left unmeasured."""
+    shape starts after it. Returns ``(rows, cut)``, ``cut`` None or what was left unmeasured.
+    """
     from .plan import compile_shapes, shapes_of
 
     by_name = {c.name: c for c in CASES}
@@ -266,13 +278,21 @@ def run_plan(plan, *, smoke: bool, dtype: torch.dtype, providers: list[str], tim
             if case is None:
                 if not second:
                     kernel, _, direction = entry.case.partition(".")
-                    rows.append(_row(Case(kernel, direction, None), "all", status="skipped",
-                                     note=f"no case {entry.case!r} in kernels.bench.cases.CASES"))
+                    rows.append(
+                        _row(
+                            Case(kernel, direction, None),
+                            "all",
+                            status="skipped",
+                            note=f"no case {entry.case!r} in kernels.bench.cases.CASES",
+                        )
+                    )
                     log(f"{entry.case:<28} skipped: not a case")
                 continue
             if case.name in skipped:
                 continue
-            for M, N in (compile_shapes(entry, smoke) if second else shapes_of(entry, smoke)):
+            for M, N in (
+                compile_shapes(entry, smoke) if second else shapes_of(entry, smoke)
+            ):
                 if deadline is not None and time.monotonic() > deadline:
                     cut = f"budget reached before {case.name} M={M} N={N} ({pass_name})"
                     log(f"kernels.bench: {cut}")
@@ -281,16 +301,36 @@ def run_plan(plan, *, smoke: bool, dtype: torch.dtype, providers: list[str], tim
                 try:
                     problem = case.build(M, N, dtype, DEVICE)
                 except (Skip, ImportError, AttributeError) as exc:
-                    rows.append(_row(case, "all", status="skipped", note=str(exc) or type(exc).__name__))
+                    rows.append(
+                        _row(
+                            case,
+                            "all",
+                            status="skipped",
+                            note=str(exc) or type(exc).__name__,
+                        )
+                    )
                     log(f"{case.name:<28} skipped: {exc}")
                     skipped.add(case.name)
                     break
                 except Exception as exc:
-                    rows.append(_row(case, "all", M=M, N=N, regime=regime, status="error",
-                                     note=f"{type(exc).__name__}: {str(exc)[:200]}"))
-                    log(f"{case.name:<28} N={N:<7} error: {type(exc).__name__}: {str(exc)[:120]}")
+                    rows.append(
+                        _row(
+                            case,
+                            "all",
+                            M=M,
+                            N=N,
+                            regime=regime,
+                            status="error",
+                            note=f"{type(exc).__name__}: {str(exc)[:200]}",
+                        )
+                    )
+                    log(
+                        f"{case.name:<28} N={N:<7} error: {type(exc).__name__}: {str(exc)[:120]}"
+                    )
                     continue
-                new = run_problem(case, problem, M, N, provs, timer, copy_gbps, dtype, compile_ok)
+                new = run_problem(
+                    case, problem, M, N, provs, timer, copy_gbps, dtype, compile_ok
+                )
                 for r in new:
                     r["regime"] = regime
                     log(format_row(r))
@@ -407,37 +447,70 @@ def main(argv: list[str] | None = None, log=print) -> dict:
             "json": json_path, "csv": csv_path}
 
 
-def _main_plan(args, argv, prov, copy, dtype, providers, timer, on_gpu, out, start, log) -> dict:
+def _main_plan(
+    args, argv, prov, copy, dtype, providers, timer, on_gpu, out, start, log
+) -> dict:
     """``--plan``: the trimmed benchmark, its files rewritten after every shape."""
     from .plan import PLANS, compile_shapes, shapes_of
 
-    plan = [e for e in PLANS[args.plan] if not args.cases or e.case in args.cases.split(",")]
-    prov.update({"plan": args.plan, "cases": [e.case for e in plan],
-                 "shapes": {e.case: [list(s) for s in shapes_of(e, args.smoke)] for e in plan},
-                 "compile_shapes": {e.case: [list(s) for s in compile_shapes(e, args.smoke)] for e in plan}})
+    plan = [
+        e for e in PLANS[args.plan] if not args.cases or e.case in args.cases.split(",")
+    ]
+    prov.update(
+        {
+            "plan": args.plan,
+            "cases": [e.case for e in plan],
+            "shapes": {
+                e.case: [list(s) for s in shapes_of(e, args.smoke)] for e in plan
+            },
+            "compile_shapes": {
+                e.case: [list(s) for s in compile_shapes(e, args.smoke)] for e in plan
+            },
+        }
+    )
     for key in ("sizes", "elements_per_tensor"):
         prov.pop(key, None)
     deadline = None if args.deadline_s is None else start + args.deadline_s
 
     def save(rows, complete=False, cut=None):
-        return write_results(out, prov, copy, rows, errors_of(rows), complete=complete, cut=cut)
+        return write_results(
+            out, prov, copy, rows, errors_of(rows), complete=complete, cut=cut
+        )
 
-    json_path, _ = save([])  # the copy bandwidth is kept even if nothing else is measured
+    json_path, _ = save(
+        []
+    )  # the copy bandwidth is kept even if nothing else is measured
     log(f"writing {json_path} as rows are measured")
-    rows, cut = run_plan(plan, smoke=args.smoke, dtype=dtype, providers=providers, timer=timer,
-                         copy_gbps=copy["GB/s"], compile_ok=on_gpu, log=log, on_rows=save,
-                         deadline=deadline)
+    rows, cut = run_plan(
+        plan,
+        smoke=args.smoke,
+        dtype=dtype,
+        providers=providers,
+        timer=timer,
+        copy_gbps=copy["GB/s"],
+        compile_ok=on_gpu,
+        log=log,
+        on_rows=save,
+        deadline=deadline,
+    )
     errors = errors_of(rows)
     json_path, csv_path = save(rows, complete=cut is None, cut=cut)
     log(f"wrote {json_path} and {csv_path.name}" + (f" (cut: {cut})" if cut else ""))
     for r in errors:
         print(f"kernels.bench ERROR: {format_row(r)}", file=sys.stderr)
     bad = failing(errors)
-    return {"provenance": prov, "copy": copy, "results": rows, "errors": errors, "failed": bool(bad),
-            "cut": cut, "json": json_path, "csv": csv_path}
+    return {
+        "provenance": prov,
+        "copy": copy,
+        "results": rows,
+        "errors": errors,
+        "failed": bool(bad),
+        "cut": cut,
+        "json": json_path,
+        "csv": csv_path,
+    }
 
 
 def cli() -> int:
     """``python -m kernels.bench``: exit status 1 when a row of ours or PyTorch's failed."""
     return 1 if main()["failed"] else 0
-
