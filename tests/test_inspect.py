@@ -58,6 +58,15 @@ KNOWN_TO_FAIL = {
     ]
 } | {("spills", 75, "attention", "forward")}
 
+#: The declared floor, Triton 3.6 (the GPU machine's), spills a few bytes where 3.9 does not,
+#: with the same tiles: _rms_norm_bwd in fp16/bf16 (8 B at N = 2048, 16 warps) and
+#: _sample_kernel (4 B); measured on sm_90 by the GPU day (issue 17). Expected failures there,
+#: not strict: other architectures were not all measured under 3.6.
+_TRITON = tuple(int(p) for p in __import__("triton").__version__.split(".")[:2])
+FLOOR_MAY_FAIL = {("spills", arch, call, phase) for arch in ARCHS
+                  for call, phase in [("rms_norm", "backward"), ("sample", "forward")]
+                  } if _TRITON < (3, 9) else set()
+
 #: Calls that take no fp64 (the gradient checks that launch fp64 do not apply to them).
 NO_FP64 = {"attention", "decode_attention", "decode_attention.paged"}
 
@@ -81,6 +90,8 @@ def _params(check):
             marks = ()
             if (check, arch, call, phase) in KNOWN_TO_FAIL:
                 marks = pytest.mark.xfail(strict=True, reason="known today; remove from KNOWN_TO_FAIL once fixed")
+            elif (check, arch, call, phase) in FLOOR_MAY_FAIL:
+                marks = pytest.mark.xfail(strict=False, reason="spills under the floor's Triton")
             out.append(pytest.param(arch, call, phase, marks=marks, id=f"sm_{arch}-{call}-{phase}"))
     return out
 

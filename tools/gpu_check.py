@@ -70,7 +70,7 @@ FIRST_TESTS = ["test_rms_norm.py", "test_rms_norm_backward.py", "test_fused_add_
                "test_layer_norm_backward.py", "test_softmax.py", "test_cross_entropy.py",
                "test_attention.py", "test_sampling.py", "test_qk_norm_rope.py"]
 #: The dry run's tests: a few fast ones (the interpreter is no GPU).
-DRY_TESTS = ["tests/test_validate.py", "tests/test_row_stats.py"]
+DRY_TESTS = ["tests/test_validate.py"]
 #: The dry run's inspector: one kernel's variants (the first compile takes seconds each here).
 DRY_INSPECT_CALLS = ("rms_norm",)
 #: What executing the chapters needs beyond the GPU machine's own packages.
