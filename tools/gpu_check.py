@@ -405,6 +405,10 @@ def _bench(run: Run) -> dict:
             data = json.loads(path.read_text())
         except ValueError:
             data = {}
+    if data and record.get("cut") and not data.get("cut"):
+        # Killed between two shapes: the file holds every row so far; say why it stops there.
+        data.update(complete=False, cut=record["cut"])
+        _write_json(path, data)
     if data:
         record.update(rows=len(data.get("results", [])), file=path.name,
                       complete=data.get("complete", True))
