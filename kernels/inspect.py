@@ -638,14 +638,17 @@ def _child_env() -> dict:
 
 
 def run_inspector(archs=(90,), dtypes=DTYPES, shapes="all", calls=None, latency_ns=LATENCY_NS,
-                  ptx=False, timeout=4 * 3600, jobs=None, call_shapes=None, gpu_args=()) -> dict:
+                  ptx=False, timeout=4 * 3600, jobs=None, call_shapes=None, gpu_args=(),
+                  partial=False) -> dict:
     """Run the inspector in a child process; returns ``{"meta": ..., "rows": [...]}``.
 
     ``shapes``: "all", "bench", "decode", or a list of (label, M, N). ``calls``: names such as
     "rms_norm", "layer_norm", "fused_add_rms_norm", "qk_norm_rope", "row_variance.welford".
     ``call_shapes``: instead of calls × shapes, {call: [(label, M, N), ...]}, one child each
     (the GPU day inspects each kernel at the shapes it measured). ``gpu_args``: extra child
-    arguments (--bandwidth-gbps, --sms, --gpu-name: see :func:`measured_gpu`)."""
+    arguments (--bandwidth-gbps, --sms, --gpu-name: see :func:`measured_gpu`). ``partial``:
+    past ``timeout`` seconds, return the units that finished (``meta.units_not_finished``)
+    instead of raising."""
     def spec(sh):
         return sh if isinstance(sh, str) else ",".join(f"{lab}:{m}:{n}" for lab, m, n in sh)
 
@@ -663,6 +666,7 @@ def run_inspector(archs=(90,), dtypes=DTYPES, shapes="all", calls=None, latency_
         # cost, and each child compiles its own variants.
         units = [(arch, dt, c, sh) for arch in archs for dt in dtypes for c, sh in work]
         pending, running, done = list(units), [], []
+        dropped = 0
         jobs = max(1, jobs or os.cpu_count() or 1)
         deadline = time.monotonic() + timeout
         while pending or running:
@@ -679,6 +683,15 @@ def run_inspector(archs=(90,), dtypes=DTYPES, shapes="all", calls=None, latency_
             out, proc = running.pop(0)
             try:
                 proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                if not partial:
+                    raise
+                # Out of time (the GPU day's budget): keep the units that finished.
+                for _, p in running + [(out, proc)]:
+                    p.kill()
+                dropped = len(running) + 1 + len(pending)
+                running, pending = [], []
+                break
             finally:
                 if proc.returncode is None or proc.returncode != 0:
                     for _, p in running + [(out, proc)]:
@@ -687,7 +700,7 @@ def run_inspector(archs=(90,), dtypes=DTYPES, shapes="all", calls=None, latency_
                 err = out.with_suffix(".log").read_text()
                 raise RuntimeError(f"kernels.inspect child failed ({proc.returncode}):\n{err[-4000:]}")
             done.append(out)
-        result = {"meta": {}, "rows": []}
+        result = {"meta": {"units_not_finished": dropped} if dropped else {}, "rows": []}
         for out in done:
             part = json.loads(out.read_text())
             for k, v in part["meta"].items():
@@ -897,6 +910,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bandwidth-gbps", type=float, help="a measured copy bandwidth in place of the datasheet's")
     p.add_argument("--sms", type=int, help="the SM count of the GPU measured")
     p.add_argument("--gpu-name", help="the name of the GPU measured")
+    p.add_argument("--timeout-s", type=float,
+                   help="after this many seconds, keep what finished (the GPU day's budget)")
     a = p.parse_args(argv)
     archs = [int(s) for s in a.arch.split(",")]
     for arch in archs:
@@ -915,14 +930,15 @@ def main(argv: list[str] | None = None) -> int:
     for arch in archs:
         GPUS[arch] = measured_gpu(GPUS[arch], a.bandwidth_gbps, a.sms, a.gpu_name)
     result = run_inspector(archs, a.dtypes.split(","), a.shapes, [c for c in a.calls.split(",") if c],
-                           a.latency_ns, jobs=a.jobs, call_shapes=call_shapes or None, gpu_args=gpu_args)
+                           a.latency_ns, jobs=a.jobs, call_shapes=call_shapes or None, gpu_args=gpu_args,
+                           **({"timeout": a.timeout_s, "partial": True} if a.timeout_s else {}))
     rows = result["rows"]
     meta = result["meta"]
     for arch in archs:
         gpu = GPUS[arch]
         print(f"sm_{arch}: {gpu.name}, {gpu.bandwidth / 1e12:.3g} TB/s; Little's law at {a.latency_ns:.0f} ns "
               f"(assumed, see kernels.inspect.LATENCY_NS): {littles_law_bytes(gpu, a.latency_ns) / 1024:.1f} KiB "
-              f"in flight per SM. triton {meta['triton']}, torch {meta['torch']}.")
+              f"in flight per SM. triton {meta.get('triton')}, torch {meta.get('torch')}.")
         print("'inflight': bytes of row loads a SM has in flight (model); 'pred': predicted fraction of "
               "bandwidth (a model, not a measurement)")
         print(format_table([r for r in rows if r["arch"] == arch]))

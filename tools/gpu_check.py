@@ -58,7 +58,7 @@ TOTAL_S = 480
 CHAPTERS_MIN_S = 30
 #: Seconds before its hard stop at which a step is asked to stop starting new work (the
 #: benchmark's --deadline-s, the tests' budget plugin), so that it writes its files itself.
-SOFT_MARGIN_S = {"bench": 20, "tests": 15, "chapters": 10}
+SOFT_MARGIN_S = {"bench": 20, "tests": 15, "inspect": 15, "chapters": 10}
 
 #: Test files that are not kernel tests: they build the book, drive a browser or read prose.
 NOT_KERNEL_TESTS = {"test_chapters.py", "test_html.py", "test_pages.py", "test_prose.py",
@@ -476,7 +476,8 @@ def _inspect(run: Run, bench: dict, device: dict) -> None:
     dtype = prov.get("dtype") or ("bfloat16" if run.dry_run or arch >= 80 else "float16")
     dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype)
     cmd = [sys.executable, "-m", "kernels.inspect", "--arch", str(arch), "--dtypes", dtype,
-           "--call-shapes", spec, "--json", str(target)]
+           "--call-shapes", spec, "--json", str(target),
+           "--timeout-s", str(_soft(budget, "inspect"))]
     if bench.get("copy", {}).get("GB/s") and not run.dry_run:
         cmd += ["--bandwidth-gbps", f"{bench['copy']['GB/s']:.1f}"]
     if device.get("sm_count") and not run.dry_run:
