@@ -66,6 +66,17 @@ KNOWN_TO_FAIL = {
     ]
 } | {("spills", 90, "attention", "backward")}
 
+#: The declared floor, Triton 3.6 (the GPU machine's), spills where 3.9 does not, with the
+#: same tiles (sm_90, measured for issue 17): _rms_norm_bwd fp16/bf16 at M = 32,768, N = 2048
+#: (BLOCK_M 2, BLOCK_N 2048, 16 warps, 64 registers: 8 B stored, 8 B loaded), and the top-k/
+#: top-p _sample_kernel (BLOCK_N 4096, 8 warps: 4 B) in fp32 at every N >= 8192 and in fp16
+#: at M = 1, N = 8192. Expected failures under Triton < 3.9, not strict: sm_80 and sm_75 were
+#: not measured under 3.6.
+_TRITON = tuple(int(p) for p in __import__("triton").__version__.split(".")[:2])
+FLOOR_MAY_FAIL = {("spills", arch, call, phase) for arch in ARCHS
+                  for call, phase in [("rms_norm", "backward"), ("sample", "forward")]
+                  } if _TRITON < (3, 9) else set()
+
 #: Calls that take no fp64 (the gradient checks that launch fp64 do not apply to them).
 NO_FP64 = {"attention", "decode_attention", "decode_attention.paged"}
 
@@ -101,6 +112,8 @@ def _params(check):
             marks = ()
             if (check, arch, call, phase) in KNOWN_TO_FAIL:
                 marks = pytest.mark.xfail(strict=True, reason="known today; remove from KNOWN_TO_FAIL once fixed")
+            elif (check, arch, call, phase) in FLOOR_MAY_FAIL:
+                marks = pytest.mark.xfail(strict=False, reason="spills under the floor's Triton")
             out.append(pytest.param(arch, call, phase, marks=marks, id=f"sm_{arch}-{call}-{phase}"))
     return out
 

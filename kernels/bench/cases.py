@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import os
 import pathlib
 from dataclasses import dataclass
 from typing import Callable
@@ -19,7 +20,8 @@ import torch
 from .. import timing
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-DATA_DIR = ROOT / "data" / "bench"
+# $KERNELS_BENCH_DIR: read recorded runs from there instead (the tests' fixture).
+DATA_DIR = pathlib.Path(os.environ.get("KERNELS_BENCH_DIR") or ROOT / "data" / "bench")
 
 SWEEP = [256 * 2**i for i in range(11)]  # 256 … 262,144
 ELEMENTS = 2**26                         # elements per row-sized tensor: M = ELEMENTS // N rows
@@ -192,19 +194,30 @@ def build_layer_norm(M, N, dtype, device, backward=False):
                    wrt=(0, 1, 2), grad_outputs=(dy,), shape=f"x ({M}, {N})")
 
 
-def build_fused_add_rms_norm(M, N, dtype, device):
+def build_fused_add_rms_norm(M, N, dtype, device, backward=False):
     ours = _kernel("fused_add_rms_norm")
-    x, r = _rand(M, N, dtype=dtype, device=device), _rand(M, N, dtype=dtype, device=device)
+    x = _rand(M, N, dtype=dtype, device=device)
+    r = _rand(M, N, dtype=dtype, device=device)
     w = _rand(N, dtype=dtype, device=device)
     try:
         fn = _liger("fused_add_rms_norm", "LigerFusedAddRMSNormFunction")
         liger = lambda x, r, w: fn.apply(x, r, w, 1e-6)  # noqa: E731
     except Skip as exc:
         liger = exc
+    call = lambda x, r, w: ours(x, r, w, 1e-6)  # noqa: E731
+    shape = f"x, residual ({M}, {N})"
+    if backward:
+        _needs_backward(call, x, r, w)
+        dy = _rand(M, N, dtype=dtype, device=device)
+        dh = _rand(M, N, dtype=dtype, device=device)
+        # Must move: read h (saved), w, dy and the residual stream's gradient dh; write
+        # the gradient of x + residual (one tensor for both) and dw.
+        nbytes = timing.bytes_moved(x, w, dy, dh, torch.empty_like(x), torch.empty_like(w))
+        return Problem((x, r, w), nbytes, call, torch_fused_add_rms_norm, liger,
+                       wrt=(0, 1, 2), grad_outputs=(dy, dh), shape=shape)
     # Must move: read x, residual, w; write y and residual_out.
     nbytes = timing.bytes_moved(x, r, w, torch.empty_like(x), torch.empty_like(x))
-    return Problem((x, r, w), nbytes, lambda x, r, w: ours(x, r, w, 1e-6), torch_fused_add_rms_norm,
-                   liger, shape=f"x, residual ({M}, {N})")
+    return Problem((x, r, w), nbytes, call, torch_fused_add_rms_norm, liger, shape=shape)
 
 
 def build_qk_norm_rope(M, N, dtype, device):
@@ -361,6 +374,10 @@ CASES = [
     Case("sample", "forward", build_sample),
     Case("decode_attention", "forward", build_decode_attention,
          shapes=decode_attention_shapes),
+    # the GPU day (kernels/bench/plan.py)
+    Case("fused_add_rms_norm", "backward",
+         lambda M, N, dt, dev: build_fused_add_rms_norm(M, N, dt, dev, True),
+         "backward"),
 ]
 
 
