@@ -81,7 +81,7 @@ from .qk_norm_rope import MAX_FUSED_BYTES, qk_norm_rope
 from .rms_norm import rms_norm
 from .swiglu import swiglu
 
-__all__ = ["patch", "unpatch", "is_patched", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["patch", "unpatch", "is_patched", "torch_ops", "SUPPORTED_MODEL_TYPES"]
 
 #: ``config.model_type`` values that :func:`patch` accepts.
 SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "gemma3_text")
@@ -431,8 +431,9 @@ def patch(model: nn.Module) -> nn.Module:
     :func:`kernels.fused_add_rms_norm`; ``Qwen3Attention`` runs ``q_norm``, ``k_norm`` and RoPE as
     :func:`kernels.qk_norm_rope`; attention runs :func:`kernels.attention`, the SwiGLU gate
     :func:`kernels.swiglu` and, with ``labels``, the loss :func:`kernels.linear_cross_entropy`
-    (see the module's docstring for what is not patched). Parameters, buffers and the state dict are untouched; patching
-    twice is the same as once; :func:`unpatch` restores the model.
+    (see the module's docstring for what is not patched). Parameters, buffers and the state
+    dict are untouched; patching twice is the same as once; :func:`unpatch` restores the
+    model.
 
     Raises:
         TypeError: ``model`` is not a supported transformers model (see
@@ -473,3 +474,77 @@ def unpatch(model: nn.Module) -> nn.Module:
 def is_patched(model: nn.Module) -> bool:
     """Whether any module of ``model`` runs a forward installed by :func:`patch`."""
     return any(_ours(m) for m in model.modules())
+
+
+# ---------------------------------------------------------------- what still runs on PyTorch
+
+_MATMULS = {"mm", "addmm", "bmm", "matmul", "linear", "baddbmm"}
+_LAYOUT = {"view", "_unsafe_view", "t", "transpose", "expand", "slice", "unsqueeze",
+           "squeeze", "reshape", "as_strided", "select", "detach", "alias", "permute"}
+_ALLOCATION = {"empty", "empty_strided", "new_empty", "empty_like", "zeros", "new_zeros",
+               "zeros_like", "full", "new_full"}
+
+
+def _caller() -> str:
+    """Where the op came from: the first frame outside torch (the Triton interpreter, this
+    package's wrappers, transformers' or kernels.hf's code)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename.replace("\\", "/")
+        if "/triton/" in name:
+            return "interpreter"
+        if "/torch/" not in name and "/contextlib" not in name:
+            return "kernels" if "/kernels/" in name and not name.endswith("hf.py") else "model"
+        frame = frame.f_back
+    return "model"
+
+
+def torch_ops(fn, *args, **kwargs):
+    """(result, counts): ``fn(*args, **kwargs)`` and the PyTorch ops it ran, recorded by a
+    ``TorchDispatchMode``, as a ``collections.Counter`` of (kind, op name). Kinds: "matmul",
+    "embedding", "elementwise" (the model's remaining arithmetic), "layout" (views, transposes,
+    a ``contiguous`` copy), "cache" (the KV cache's concatenation), "kernel outputs" (the
+    buffers a Triton kernel writes), "wrappers" (argument checks and views in this package's
+    wrappers), and on the CPU "interpreter" (Triton's interpreter copying arguments: not a
+    GPU op)."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts = collections.Counter()
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            op = func.overloadpacket.__name__
+            where = _caller()
+            if where == "interpreter":
+                kind = "interpreter"
+            elif where == "kernels":
+                kind = "kernel outputs" if op in _ALLOCATION else "wrappers"
+            elif op in _MATMULS:
+                kind = "matmul"
+            elif op == "embedding":
+                kind = "embedding"
+            elif op in _LAYOUT or op == "clone":
+                kind = "layout"
+            elif op == "cat" and _in_cache_update():
+                kind = "cache"
+            elif op in _ALLOCATION:
+                kind = "allocation"
+            else:
+                kind = "elementwise" if "attention" not in op else "attention"
+            counts[kind, op] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        result = fn(*args, **kwargs)
+    return result, counts
+
+
+def _in_cache_update() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "update" and "cache_utils" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False

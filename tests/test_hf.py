@@ -340,3 +340,27 @@ def test_adamw_20_steps_loss_within_bound_at_every_step(build):
     assert float(b[-1]) < 0.1 * float(b[0])  # it trains
     k = torch.arange(1, 21, dtype=torch.float32)
     assert bool(((a - b).abs() <= k * 1e-5 * b[0]).all()), losses
+
+
+@pytest.mark.parametrize("build", [qwen3, llama], ids=["qwen3", "llama"])
+def test_what_stays_on_pytorch_in_one_layer(build):
+    """One patched decoder layer's forward (inference, KV cache on): of the arithmetic only
+    the seven projections (q, k, v, o, gate, up, down), the second residual add and the KV
+    cache's concatenation stay on PyTorch's side; Llama adds its RoPE (no QK-Norm to fuse it
+    with: rotate_half's neg and cat, two products and a sum for q and for k each)."""
+    model = hf.patch(build()).eval()
+    layer, captured = model.model.layers[0], {}
+    handle = layer.register_forward_pre_hook(
+        lambda mod, a, k: captured.update(a=a, k=k), with_kwargs=True)
+    with torch.no_grad():
+        model(_ids())
+    handle.remove()
+    with torch.no_grad():
+        _, counts = hf.torch_ops(layer, *captured["a"], **captured["k"])
+    work = {key: n for key, n in counts.items()
+            if key[0] in ("matmul", "embedding", "elementwise", "attention", "cache")}
+    rope = {("elementwise", "mul"): 4, ("elementwise", "neg"): 2, ("elementwise", "cat"): 2}
+    expected = {("matmul", "mm"): 7, ("cache", "cat"): 2,
+                ("elementwise", "add"): 1 if build is qwen3 else 3,
+                **({} if build is qwen3 else rope)}
+    assert work == expected
