@@ -95,13 +95,20 @@ def _scaled_logits(X, x_rows, row_mask, cols, N, rowmax, inv_temp):
 
 @triton.jit
 def _tile(X, x_rows, row_mask, cols, N, rowmax, inv_temp):
-    """z, its order key (KEY_PAD on padding: below every candidate) and the mask of one tile."""
+    """The order keys of one tile's z (KEY_PAD on padding: below every candidate). The key is
+    all a pass keeps per element: z comes back from it exactly (:func:`_key_to_z`)."""
     z, mask = _scaled_logits(X, x_rows, row_mask, cols, N, rowmax, inv_temp)
-    return z, tl.where(mask, _order_key(z), _KEY_PAD), mask
+    return tl.where(mask, _order_key(z), _KEY_PAD)
 
 
 @triton.jit
-def _search(X, x_rows, row_mask, N, rowmax, inv_temp, z_row, key_row, floor, target,
+def _key_to_z(key):
+    """The inverse of :func:`_order_key` (NaN for KEY_PAD, which no filter keeps)."""
+    return tl.where(key < 0, key ^ 0x7FFFFFFF, key).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _search(X, x_rows, row_mask, N, rowmax, inv_temp, key_row, floor, target,
             MASS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             SINGLE_BLOCK: tl.constexpr):
     """Largest key t with F(t) >= target, where F(t) = #{key >= t} (MASS False) or the sum
@@ -111,7 +118,7 @@ def _search(X, x_rows, row_mask, N, rowmax, inv_temp, z_row, key_row, floor, tar
     at the start). A pass tests the FANOUT - 1 keys lo + j * 2**(w - SEARCH_BITS) and keeps
     the largest that passes: F is monotone (counts exactly; masses because every F(t) is
     summed by the same tiles and tree of non-negative terms, and rounding is monotone), so
-    the passing candidates are a prefix. z_row, key_row: the row (SINGLE_BLOCK only)."""
+    the passing candidates are a prefix. key_row: the row's keys (SINGLE_BLOCK only)."""
     fan = tl.arange(0, _FANOUT)
     lo = tl.full([BLOCK_M], _KEY_LO, tl.int32)
     for p in range(_SEARCH_PASSES):
@@ -123,13 +130,12 @@ def _search(X, x_rows, row_mask, N, rowmax, inv_temp, z_row, key_row, floor, tar
             acc = tl.zeros([BLOCK_M, _FANOUT], tl.int32)
         for off in range(0, N, BLOCK_N):
             if SINGLE_BLOCK:
-                z = z_row
                 key = key_row
             else:
-                cols = off + tl.arange(0, BLOCK_N)
-                z, key, mask = _tile(X, x_rows, row_mask, cols, N, rowmax, inv_temp)
+                key = _tile(X, x_rows, row_mask, off + tl.arange(0, BLOCK_N), N, rowmax,
+                            inv_temp)
             if MASS:
-                e = tl.where(key >= floor[:, None], tl.exp(z), 0.0)
+                e = tl.where(key >= floor[:, None], tl.exp(_key_to_z(key)), 0.0)
             for j in tl.static_range(1, _FANOUT):
                 t = lo + j * step
                 if MASS:
@@ -170,33 +176,31 @@ def _sample_kernel(
     if SINGLE_BLOCK:
         # The row fits in registers: read it once; every pass below reuses it.
         cols = tl.arange(0, BLOCK_N)
-        z_row, key_row, mask_row = _tile(X, x_rows, row_mask, cols, N, rowmax, inv_temp)
+        key_row = _tile(X, x_rows, row_mask, cols, N, rowmax, inv_temp)
     else:
-        z_row = rowmax  # unused: every pass reloads its tiles
-        key_row = rows
+        key_row = rows  # unused: every pass reloads its tiles
 
     # Threshold as an order key: keep z with key >= tau. Start: keep everything.
     tau = tl.full([BLOCK_M], _KEY_PAD + 1, tl.int32)
     if HAS_TOP_K:
         # Largest t with #{key >= t} >= k: the key of the k-th largest z (ties kept).
         k = tl.full([BLOCK_M], top_k, tl.int32)
-        tau = _search(X, x_rows, row_mask, N, rowmax, inv_temp, z_row, key_row, tau, k,
+        tau = _search(X, x_rows, row_mask, N, rowmax, inv_temp, key_row, tau, k,
                       False, BLOCK_M, BLOCK_N, SINGLE_BLOCK)
     if HAS_TOP_P:
         # Mass of the top-k set (unnormalized: e^z <= 1, and the max contributes exactly 1).
         total = tl.zeros([BLOCK_M], tl.float32)
         for off in range(0, N, BLOCK_N):
             if SINGLE_BLOCK:
-                z = z_row
                 key = key_row
             else:
-                cols = off + tl.arange(0, BLOCK_N)
-                z, key, mask = _tile(X, x_rows, row_mask, cols, N, rowmax, inv_temp)
-            total += tl.sum(tl.where(key >= tau[:, None], tl.exp(z), 0.0), axis=1)
+                key = _tile(X, x_rows, row_mask, off + tl.arange(0, BLOCK_N), N, rowmax,
+                            inv_temp)
+            total += tl.sum(tl.where(key >= tau[:, None], tl.exp(_key_to_z(key)), 0.0), axis=1)
         # Largest t with S(t) = sum_{key >= t} e^z >= top_p' * total (top_p' = top_p less the
         # slack): the tokens at or above it are those whose strictly-more-likely mass is
         # below top_p'.
-        tau = _search(X, x_rows, row_mask, N, rowmax, inv_temp, z_row, key_row, tau,
+        tau = _search(X, x_rows, row_mask, N, rowmax, inv_temp, key_row, tau,
                       top_p * total, True, BLOCK_M, BLOCK_N, SINGLE_BLOCK)
     if HAS_MIN_P:
         # p_i >= min_p * p_max  <=>  z_i >= log(min_p): a fixed threshold, intersected.
@@ -208,12 +212,12 @@ def _sample_kernel(
     best_idx = tl.zeros([BLOCK_M], tl.int64)
     for off in range(0, N, BLOCK_N):
         if SINGLE_BLOCK:
-            z = z_row
             key = key_row
         else:
             cols = off + tl.arange(0, BLOCK_N)
-            z, key, mask = _tile(X, x_rows, row_mask, cols, N, rowmax, inv_temp)
+            key = _tile(X, x_rows, row_mask, cols, N, rowmax, inv_temp)
         keep = key >= tau[:, None]  # padding's key is below every tau
+        z = _key_to_z(key)
         if GREEDY:
             score = z
         else:
@@ -242,15 +246,18 @@ def _forward(x2d, rowmax, seed, inv_temp, top_k, top_p, log_min_p, *, greedy, bl
     tau = torch.empty((M,), dtype=torch.int32, device=x2d.device)
     if M == 0:
         return out, tau
-    # A tile holds fp32 z, its int32 key and the Philox state per element: at most SAMPLE_TILE
-    # elements, so that ptxas reports no spills (16K-element tiles spilled on sm_75/80/90).
+    # A tile holds an int32 key (and, in the top-p search, an fp32 mass) per element, then the
+    # Philox state: at most SAMPLE_TILE elements, so that ptxas reports no spills.
     block_n_cfg = triton.next_power_of_2(N)
     single = block_n_cfg <= SAMPLE_TILE
     # A function of N only, never of M: the tile's shape decides how a GPU splits a row's
     # masses over threads, so a row's bits (and kept set) do not depend on its batch.
     block_m = SAMPLE_TILE // block_n_cfg if single else 1
     block_n_cfg = block_n_cfg if single else SAMPLE_TILE
-    num_warps = min(max(block_m * block_n_cfg // 512, 1), 8)  # 16 warps spilled (ptxas, sm_90)
+    # 8 elements per thread: ptxas keeps the keys, masses and Philox state of a 4096-element
+    # tile in registers at 16 warps; at 8 warps it capped itself at 128 and spilled (sm_90,
+    # fp16/bf16).
+    num_warps = SAMPLE_TILE // 256
     if INTERPRET:
         # The interpreter pays per operation, not per element: give it 64K-element tiles. The
         # draws do not depend on the tiling (the Philox counter is the element's index).
