@@ -16,9 +16,27 @@ from .softmax import softmax  # noqa: F401
 from .cross_entropy import cross_entropy  # noqa: F401
 from .attention import attention  # noqa: F401
 from .sampling import sample  # noqa: F401
+from .swiglu import swiglu  # noqa: F401
+from .linear_cross_entropy import linear_cross_entropy  # noqa: F401
+# decoding (issue 19)
+from .decode_attention import decode_attention  # noqa: F401
+from .speculative import speculative_sample  # noqa: F401
 
 __all__ = [
     "DEVICE", "HAS_CUDA", "INTERPRET", "default_dtype", "device_name",
     "rms_norm", "layer_norm", "fused_add_rms_norm", "qk_norm_rope", "row_variance",
     "softmax", "cross_entropy", "attention", "sample",
+    "swiglu", "linear_cross_entropy",
+    "decode_attention", "speculative_sample",
 ]
+
+
+def __getattr__(name):
+    # kernels.hf (the transformers integration) loads on first use, so that
+    # ``import kernels; kernels.hf.patch(model)`` works while ``import kernels`` alone
+    # imports no transformers (kernels.hf itself imports it only when patching).
+    if name == "hf":
+        import importlib
+
+        return importlib.import_module(f"{__name__}.hf")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

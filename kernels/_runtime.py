@@ -1,12 +1,15 @@
-"""Where the kernels run: a CUDA GPU if there is one, else Triton's interpreter on the CPU.
+"""Where the kernels run: a CUDA GPU if there is one, else Triton's interpreter on the
+CPU.
 
-Triton reads ``TRITON_INTERPRET`` when ``@triton.jit`` decorates a function, so this module
-must be imported before any kernel is defined. ``kernels/__init__.py`` imports it first.
+Triton reads ``TRITON_INTERPRET`` when ``@triton.jit`` decorates a function, so this
+module must be imported before any kernel is defined. ``kernels/__init__.py`` imports it
+first.
 
-Something else may have imported Triton earlier (``transformers`` does): then Triton's own
-``@jit`` library functions (``tl.sum``, ``tl.max``, ``tl.cdiv``, ...) were already built for
-compiled mode and refuse to run inside an interpreted kernel. :func:`_interpret_triton_library`
-rebuilds them as the interpreter would have built them, so the import order does not matter.
+Something else may have imported Triton earlier (``transformers`` does): then Triton's
+own ``@jit`` library functions (``tl.sum``, ``tl.max``, ``tl.cdiv``, ...) were already
+built for compiled mode and refuse to run inside an interpreted kernel.
+:func:`_interpret_triton_library` rebuilds them as the interpreter would have built
+them, so the import order does not matter.
 """
 
 import os
@@ -22,42 +25,51 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _interpret_triton_library() -> int:
-    """Turn Triton's compiled-mode ``@jit`` library functions into interpreted ones, in place.
+    """Turn Triton's compiled-mode ``@jit`` library functions into interpreted ones, in
+    place.
 
-    ``@triton.jit`` makes a ``JITFunction`` (compiled mode) or, when ``TRITON_INTERPRET`` is set,
-    an ``InterpretedFunction``. If ``triton.language`` was imported before the variable was set,
-    ``tl.sum`` and its siblings are ``JITFunction`` objects, and calling one from an interpreted
-    kernel raises "Cannot call @triton.jit'd outside of the scope of a kernel". The decorator is
-    the only import-time use of the variable in Triton (3.x: ``runtime/jit.py``; the interpreter
-    patches ``triton.language`` afresh at every launch), so building the ``InterpretedFunction``
-    that the decorator would have returned, and putting it wherever the ``JITFunction`` was (the
-    ``triton.language`` modules, whose globals the interpreted bodies look names up in, and the
-    ``tensor`` methods such as ``x.sum``), gives the state a fresh import would have given.
-    Returns how many were replaced (0 when Triton was imported after the variable was set).
+    ``@triton.jit`` makes a ``JITFunction`` (compiled mode) or, when
+    ``TRITON_INTERPRET`` is set, an ``InterpretedFunction``. If ``triton.language`` was
+    imported before the variable was set, ``tl.sum`` and its siblings are
+    ``JITFunction`` objects, and calling one from an interpreted kernel raises "Cannot
+    call @triton.jit'd outside of the scope of a kernel". The decorator is the only
+    import-time use of the variable in Triton (3.x: ``runtime/jit.py``; the interpreter
+    patches ``triton.language`` afresh at every launch), so building the
+    ``InterpretedFunction`` that the decorator would have returned, and putting it
+    wherever the ``JITFunction`` was (the ``triton.language`` modules, whose globals the
+    interpreted bodies look names up in, and the ``tensor`` methods such as ``x.sum``),
+    gives the state a fresh import would have given. Returns how many were replaced (0
+    when Triton was imported after the variable was set).
     """
     import sys
 
     if "triton.language" not in sys.modules:
-        return 0  # imported later, with TRITON_INTERPRET already set: nothing was built yet
+        # imported later, with TRITON_INTERPRET already set: nothing was built yet
+        return 0
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
-    rebuilt: dict[int, InterpretedFunction] = {}  # one replacement per function, shared by every name
+    # one replacement per function, shared by every name
+    rebuilt: dict[int, InterpretedFunction] = {}
 
     def interpreted(value):
-        # Exactly JITFunction (not a subclass) defined by Triton itself: leave user kernels alone.
-        if type(value) is not JITFunction or not value.fn.__module__.startswith("triton."):
+        # Exactly JITFunction (not a subclass) defined by Triton itself: leave user
+        # kernels alone.
+        if type(value) is not JITFunction \
+                or not value.fn.__module__.startswith("triton."):
             return None
         if id(value) not in rebuilt:
             rebuilt[id(value)] = InterpretedFunction(value.fn)
         return rebuilt[id(value)]
 
     modules = [m for name, m in list(sys.modules.items())
-               if m is not None and (name == "triton.language" or name.startswith("triton.language."))]
+               if m is not None and (name == "triton.language"
+                                     or name.startswith("triton.language."))]
     namespaces = []
     for module in modules:
         namespaces.append(module)
-        # Classes of triton.language carry jit functions as methods (tensor.sum = tl.sum).
+        # Classes of triton.language carry jit functions as methods (tensor.sum =
+        # tl.sum).
         namespaces.extend(v for v in vars(module).values()
                           if isinstance(v, type) and v.__module__ == module.__name__)
     for ns in namespaces:
@@ -80,8 +92,8 @@ def default_dtype() -> torch.dtype:
     bf16 where the GPU supports it (Ampere and newer), fp16 on older GPUs such as a T4,
     and bf16 on the CPU interpreter (it emulates every dtype).
     """
-    # Not torch.cuda.is_bf16_supported(): since torch 2.3 it also counts emulated bf16 and says
-    # yes on a T4. Native bf16 arrived with compute capability 8.0 (Ampere).
+    # Not torch.cuda.is_bf16_supported(): since torch 2.3 it also counts emulated bf16
+    # and says yes on a T4. Native bf16 arrived with compute capability 8.0 (Ampere).
     if DEVICE.type == "cuda" and torch.cuda.get_device_capability(DEVICE) < (8, 0):
         return torch.float16
     return torch.bfloat16
@@ -94,9 +106,11 @@ def device_name() -> str:
 
 
 def device_guard(t: torch.Tensor):
-    """Context for a launch on ``t``'s device: Triton launches on the *current* CUDA device, so a
-    tensor on ``cuda:1`` must make ``cuda:1`` current while its kernel is launched. A no-op on the
-    CPU (the interpreter)."""
+    """Context for a launch on ``t``'s device: Triton launches on the *current* CUDA
+    device, so a tensor on ``cuda:1`` must make ``cuda:1`` current while its kernel is
+    launched. A no-op on the CPU (the interpreter)."""
     import contextlib
 
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+    if t.device.type == "cuda":
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()

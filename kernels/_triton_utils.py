@@ -12,14 +12,17 @@ _INTERPRET = tl.constexpr(INTERPRET)
 def round_to(x, dtype: tl.constexpr):
     """Cast fp32 ``x`` to ``dtype`` rounding to nearest-even, as a GPU does.
 
-    Triton's CPU interpreter truncates fp32 -> bf16 casts (rounds toward zero), which would make
-    the interpreter's bf16 results differ from a GPU's by a rounding step. There we round by hand
-    on the bit pattern; on a GPU the plain cast already rounds to nearest-even.
+    Triton's CPU interpreter truncates fp32 -> bf16 casts (rounds toward zero), which
+    would make the interpreter's bf16 results differ from a GPU's by a rounding step.
+    There we round by hand on the bit pattern; on a GPU the plain cast already rounds to
+    nearest-even.
     """
     if _INTERPRET and dtype == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)  # add half an ulp of bf16, ties to even
-        bits = (bits >> 16) << 16                   # drop the 16 low bits: now exact in bf16
+        # add half an ulp of bf16, ties to even
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        # drop the 16 low bits: now exact in bf16
+        bits = (bits >> 16) << 16
         rounded = bits.to(tl.float32, bitcast=True)
         return tl.where(x != x, x, rounded).to(dtype)  # NaN stays NaN
     else:
@@ -28,11 +31,12 @@ def round_to(x, dtype: tl.constexpr):
 
 @triton.jit
 def chan_combine(mean_a, m2_a, n_a, mean_b, m2_b, n_b):
-    """Merge two (mean, M2, count) summaries of disjoint parts of a row (Chan, Golub & LeVeque).
+    """Merge two (mean, M2, count) summaries of disjoint parts of a row (Chan, Golub &
+    LeVeque).
 
-    delta = mean_b - mean_a;  n = n_a + n_b;  mean = mean_a + delta * n_b / n;
-    M2 = M2_a + M2_b + delta**2 * n_a * n_b / n.  The variance of the union is M2 / n.
-    Usable as the combine function of ``tl.reduce`` (it is associative up to rounding), and safe
+    delta = mean_b - mean_a;  n = n_a + n_b;  mean = mean_a + delta * n_b / n; M2 = M2_a
+    + M2_b + delta**2 * n_a * n_b / n.  The variance of the union is M2 / n. Usable as
+    the combine function of ``tl.reduce`` (it is associative up to rounding), and safe
     when both counts are zero (masked lanes).
     """
     n = n_a + n_b

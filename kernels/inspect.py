@@ -429,7 +429,31 @@ def _calls(label: str, M: int, N: int, dtype: str, which: set[str] | None):
                           attention_inputs, (0, 1, 2)),
         "sample": (lambda: kernels.sample(torch.zeros(M, N, dtype=dt), temperature=0.8,
                                           top_k=50, top_p=0.9, generator=0), None),
+        # swiglu: gate and up of the MLP, (M, N) each (N: the intermediate size's stand-in).
+        # linear_cross_entropy launches cross_entropy's two kernels (inspected above) between
+        # cuBLAS products, which the inspector cannot lower: not listed.
+        "swiglu": pair(kernels.swiglu, lambda g: [empty(M, N, grad=0 in g),
+                                                  empty(M, N, grad=1 in g)], (0, 1)),
     }
+    # decode_attention (issue 19): M requests (at most 64: the cache is what is read, and a
+    # bench-sized batch of 4096-token caches would not even fit in memory) of DECODE_CACHE
+    # cached tokens, N // HEAD_DIM query heads grouped as above; contiguous and paged.
+    def decode_inputs(paged):
+        hq = max(1, N // cases.HEAD_DIM)
+        hk = max(1, hq // cases.GQA_GROUP)
+        d, b, s, page = cases.HEAD_DIM, min(M, 64), cases.DECODE_CACHE, cases.DECODE_PAGE
+        lens = torch.full((b,), s, dtype=torch.int32)
+        if not paged:
+            return [empty(b, hq, 1, d), empty(b, hk, s, d), empty(b, hk, s, d), lens, None]
+        table = torch.arange(b * (s // page), dtype=torch.int32).view(b, s // page)
+        return [empty(b, hq, 1, d), empty(b * (s // page), hk, page, d),
+                empty(b * (s // page), hk, page, d), lens, table]
+
+    for name, paged in (("decode_attention", False), ("decode_attention.paged", True)):
+        if label == "bench":
+            break  # decode shapes (and the odd ones) only
+        out[name] = (lambda p=paged: (lambda q, k, v, n, t: kernels.decode_attention(
+            q, k, v, n, block_table=t))(*decode_inputs(p)), None)
     for method in ("two_pass", "one_pass", "welford"):
         out[f"row_variance.{method}"] = (lambda m=method: kernels.row_variance(empty(M, N), method=m), None)
         if dtype == "fp32":  # the variance chapter's experiment: statistics accumulated in bf16
@@ -437,6 +461,8 @@ def _calls(label: str, M: int, N: int, dtype: str, which: set[str] | None):
                 lambda m=method: kernels.row_variance(empty(M, N), method=m, acc_dtype=torch.bfloat16), None)
     if dtype == "fp64":
         out.pop("attention")  # fp32/fp16/bf16 only: it refuses fp64 (no gradient checks to serve)
+        out.pop("decode_attention", None)  # the same
+        out.pop("decode_attention.paged", None)
     return [(k, v) for k, v in out.items() if which is None or k in which]
 
 

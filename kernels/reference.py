@@ -381,3 +381,72 @@ def sampling_probs(logits, temperature=1.0, top_k=None, top_p=None, min_p=None):
         keep &= torch.exp(z) >= min_p
     p = torch.where(keep, torch.exp(z), 0.0)
     return p / p.sum(-1, keepdim=True)
+
+
+# ---------------------------------------------------------------- SwiGLU and the linear cross-entropy
+
+def silu(x):
+    r"""silu(x) = x σ(x) = x / (1 + e^{−x})."""
+    x = _d(x)
+    return x * torch.sigmoid(x)
+
+
+def swiglu(gate, up):
+    r"""y = silu(g) · u, elementwise."""
+    return silu(gate) * _d(up)
+
+
+def swiglu_vjp(gate, up, dy):
+    r"""(dg, du) = (dy · u · σ(g)(1 + g(1 − σ(g))),  dy · g σ(g))."""
+    g, u, dy = _d(gate), _d(up), _d(dy)
+    s = torch.sigmoid(g)
+    return dy * u * s * (1 + g * (1 - s)), dy * g * s
+
+
+def linear_cross_entropy(hidden, weight, target, ignore_index=-100, reduction="mean"):
+    r"""cross_entropy(h Wᵀ, t): the loss of a linear head, the logits computed in float64."""
+    return cross_entropy(_d(hidden) @ _d(weight).T, target, ignore_index, reduction)
+# ---------------------------------------------------------------- decoding: KV cache, speculation
+
+def cached_keys(cache, b, n, block_table=None):
+    r"""Row b's first n cached keys (or values) as (H_kv, n, D): a contiguous cache (B, H_kv,
+    S_max, D) is sliced; a paged one (num_blocks, H_kv, block_size, D) is gathered through
+    block_table[b]: key j lives in block block_table[b, j // block_size], slot j % block_size."""
+    if block_table is None:
+        return _d(cache[b, :, :n])
+    j = torch.arange(n)
+    page = cache.shape[2]
+    blocks = torch.as_tensor(block_table)[b].to(torch.int64).cpu()[j // page]
+    return _d(cache.cpu()[blocks, :, j % page].transpose(0, 1))
+
+
+def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, scale=None,
+                     window=None):
+    r"""O[b] = softmax(scale · q[b] K_bᵀ + mask) V_b per row, in float64, where K_b, V_b are
+    row b's n_b = cache_seqlens[b] cached keys and values and the S_q queries are its last S_q
+    tokens: query i sees keys j ≤ n_b − S_q + i (bottom-right causal; with a window also
+    j > n_b − S_q + i − W). A query that sees no key gives 0, as :func:`attention`."""
+    q = _d(q).cpu()
+    out = torch.zeros_like(q)
+    for b, n in enumerate(torch.as_tensor(cache_seqlens).tolist()):
+        if n == 0:
+            continue  # no key at all: 0
+        k = cached_keys(k_cache.cpu(), b, n, block_table)[None]
+        v = cached_keys(v_cache.cpu(), b, n, block_table)[None]
+        out[b] = attention(q[b:b + 1], k, v, causal=True, scale=scale, window=window)[0]
+    return out
+
+
+def speculative_acceptance(p, q):
+    r"""α = Σ_x min(p(x), q(x)): the probability that a draft token x ~ q is accepted with
+    probability min(1, p(x)/q(x)) (along the last dimension)."""
+    return torch.minimum(_d(p), _d(q)).sum(-1)
+
+
+def speculative_residual(p, q):
+    r"""The distribution a rejected draft is replaced from: norm(max(0, p − q)). When p = q
+    there is no residual (rejection never happens); returned as p then."""
+    p, q = _d(p), _d(q)
+    r = (p - q).clamp(min=0.0)
+    total = r.sum(-1, keepdim=True)
+    return torch.where(total > 0, r / torch.where(total > 0, total, 1.0), p)

@@ -58,11 +58,21 @@ CALLS = {
     "attention": lambda: {"q": _randn(1, 2, 4, 16), "k": _randn(1, 1, 5, 16),
                           "v": _randn(1, 1, 5, 16)},
     "sample": lambda: {"logits": _randn(3, 8)},
+    "swiglu": lambda: {"gate": _randn(2, 3, 8), "up": _randn(2, 3, 8)},
+    "linear_cross_entropy": lambda: {"hidden": _randn(5, 8), "weight": _randn(11, 8),
+                                     "target": torch.tensor([0, 10, -100, 3, 7]).to(DEVICE)},
+    "decode_attention": lambda: {"q": _randn(2, 2, 1, 16), "k_cache": _randn(2, 1, 6, 16),
+                                 "v_cache": _randn(2, 1, 6, 16),
+                                 "cache_seqlens": torch.tensor([6, 3]).to(DEVICE)},
+    "speculative_sample": lambda: {
+        "draft_tokens": torch.tensor([[1, 4]]).to(DEVICE),
+        "draft_probs": torch.softmax(_randn(1, 2, 6), -1),
+        "target_probs": torch.softmax(_randn(1, 3, 6), -1)},
 }
 
 #: Public functions whose output is integer-valued by nature (token indices, as torch.argmax):
 #: there is no gradient to keep, so they must return integer tensors, never float ones.
-INTEGER_OUTPUTS = {"sample"}
+INTEGER_OUTPUTS = {"sample", "speculative_sample"}
 
 #: Public callables that take no tensor: nothing to differentiate.
 NO_TENSOR_INPUTS = {"default_dtype", "device_name"}
@@ -130,7 +140,9 @@ def test_gradient_is_kept_or_refused(name, arg, extra):
         assert arg in str(e), f"{name} refused a gradient for {arg!r} without naming it: {e}"
         return
     if name in INTEGER_OUTPUTS:
-        assert not out.is_floating_point() and out.grad_fn is None, f"{name}: expected integer output"
+        for t in out if isinstance(out, tuple) else (out,):
+            assert not t.is_floating_point() and t.grad_fn is None, \
+                f"{name}: expected integer output"
         return
     outs = _float_tensors(out)
     assert outs, f"{name} returned no float tensor"

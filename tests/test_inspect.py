@@ -29,7 +29,13 @@ PATHS = [("rms_norm", "forward"), ("rms_norm", "backward"), ("layer_norm", "forw
          ("row_variance.welford", "forward"),
          # fp32 inputs with statistics accumulated in bf16 (the variance chapter's experiment)
          ("row_variance.two_pass.bf16acc", "forward"), ("row_variance.one_pass.bf16acc", "forward"),
-         ("row_variance.welford.bf16acc", "forward")]
+         ("row_variance.welford.bf16acc", "forward"),
+         ("swiglu", "forward"), ("swiglu", "backward"),
+         # decode attention, at the decode (and odd) shapes only: a KV cache per row
+         ("decode_attention", "forward"), ("decode_attention.paged", "forward")]
+DECODE_ONLY = {"decode_attention", "decode_attention.paged"}
+#: Index loads besides the row loads: the paged cache reads one int32 block number per key.
+INDEX_GATHERS = {("decode_attention.paged", "forward"): "Table"}
 
 #: Today's failures, one entry per (check, arch, call, phase). Each is an expected failure that
 #: must fail (strict): when a redesign fixes it, the test turns red until its entry is removed.
@@ -53,7 +59,7 @@ KNOWN_TO_FAIL = {
 } | {("spills", 75, "attention", "forward")}
 
 #: Calls that take no fp64 (the gradient checks that launch fp64 do not apply to them).
-NO_FP64 = {"attention"}
+NO_FP64 = {"attention", "decode_attention", "decode_attention.paged"}
 
 #: Loads of a single element that a call makes besides its 128-bit row loads: cross_entropy's
 #: forward gathers the target's logit, one element per row (argument X, the element's width).
@@ -103,7 +109,8 @@ def test_every_variant_compiles(table, arch, call, phase):
     no_fp64 = call.endswith("bf16acc") or call in NO_FP64
     assert {r["dtype"] for r in rows} == ({"fp32"} if call.endswith("bf16acc")
                                           else set(DTYPES) | ({"fp64"} if not no_fp64 else set()))
-    assert {(r["M"], r["N"]) for r in rows} >= {(m, n) for _, m, n in inspector.bench_shapes()}
+    assert {(r["M"], r["N"]) for r in rows} >= {(m, n) for lab, m, n in inspector.bench_shapes()
+                                                if call not in DECODE_ONLY or lab == "decode"}
 
 
 @pytest.mark.parametrize("arch,call,phase", _params("spills"))
@@ -127,6 +134,8 @@ def test_row_loads_are_128_bit(table, arch, call, phase):
         if r["N"] % 16 or "error" in r:
             continue
         for arg in r["row_args"]:
+            if INDEX_GATHERS.get((call, phase)) == arg:
+                continue
             widths = r["loads"].get(arg, [])
             if SINGLE_ELEMENT_GATHERS.get((call, phase)) == arg:
                 widths = [w for w in widths if w != _ELEMENT_BITS[r["dtype"]]] or [0]  # rows too

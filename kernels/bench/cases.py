@@ -31,6 +31,8 @@ GQA_GROUP = 4                            # qk_norm_rope: query heads per key hea
 DECODE_M = (1, 8, 64)
 DECODE_N = (4096, 8192)
 SMOKE_DECODE = [(1, 1024)]         # the smoke run's decode shape: one row
+DECODE_CACHE = 4096                # decode_attention in the inspector: cached tokens per row
+DECODE_PAGE = 16                   # and its paged cache's block size (vLLM's default)
 PROVIDERS = ["kernels", "torch eager", "torch.compile", "liger"]
 DO_BENCH = "triton.testing.do_bench (warm-up, median of many runs, L2 flushed before each)"
 WALL_CLOCK = "wall clock in Triton's CPU interpreter (smoke run: exercises the code, not a GPU figure)"
@@ -71,6 +73,9 @@ class Case:
     direction: str                     # "forward" | "backward"
     build: Callable[[int, int, torch.dtype, torch.device], Problem]
     target: str = ""                   # key of TARGETS
+    # Its own (M, N, regime) shapes, given smoke: True/False, instead of the sweep and the
+    # decode shapes (decode_attention: M requests, N cached tokens each). None: the default.
+    shapes: Callable[[bool], list] | None = None
 
     @property
     def name(self) -> str:
@@ -291,6 +296,37 @@ def build_sample(M, N, dtype, device):
                    Skip("Liger has no sampling kernel"), shape=f"logits ({M}, {N})")
 
 
+# ---- decode attention (issue 19): M requests of N cached tokens each, Qwen3-8B's heads
+DECODE_ATTENTION_HEADS = (32, 8)                  # query heads, k/v heads (head_dim HEAD_DIM)
+DECODE_ATTENTION_LENGTHS = (1024, 4096, 16384, 32768)
+
+
+def decode_attention_shapes(smoke: bool) -> list:
+    if smoke:
+        return [(1, 256, "decode")]
+    return [(m, n, "decode") for n in DECODE_ATTENTION_LENGTHS for m in DECODE_M]
+
+
+def build_decode_attention(M, N, dtype, device):
+    """One new token per request over a full contiguous cache of N tokens: SDPA over the same
+    cache (one query sees every key: no mask needed) is the formula."""
+    ours = _kernel("decode_attention")
+    hq, hk = DECODE_ATTENTION_HEADS if N > 256 else (8, 2)  # the smoke run: a small model
+    q = _rand(M, hq, 1, HEAD_DIM, dtype=dtype, device=device)
+    k = _rand(M, hk, N, HEAD_DIM, dtype=dtype, device=device)
+    v = _rand(M, hk, N, HEAD_DIM, dtype=dtype, device=device)
+    lens = torch.full((M,), N, dtype=torch.int32, device=device)
+
+    def formula(q, k, v, lens):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    # Must move: read q and the whole cache; write the output.
+    nbytes = timing.bytes_moved(q, k, v, torch.empty_like(q))
+    return Problem((q, k, v, lens), nbytes, ours, formula,
+                   Skip("Liger has no decode attention kernel"),
+                   shape=f"q ({M}, {hq}, 1, {HEAD_DIM}), k, v ({M}, {hk}, {N}, {HEAD_DIM})")
+
+
 CASES = [
     Case("rms_norm", "forward", lambda M, N, dt, dev: build_rms_norm(M, N, dt, dev), "forward"),
     Case("rms_norm", "backward", lambda M, N, dt, dev: build_rms_norm(M, N, dt, dev, True), "backward"),
@@ -304,5 +340,117 @@ CASES = [
     Case("cross_entropy", "backward", lambda M, N, dt, dev: build_cross_entropy(M, N, dt, dev, True)),
     Case("attention", "forward", build_attention),
     Case("sample", "forward", build_sample),
+    Case("decode_attention", "forward", build_decode_attention,
+         shapes=decode_attention_shapes),
 ]
 
+
+
+# ---------------------------------------------------------------- swiglu, linear_cross_entropy
+# (one block: branch train)
+
+def torch_swiglu(gate, up):
+    """The MLP's gate as Hugging Face writes it: ``act_fn(gate_proj(x)) * up_proj(x)``."""
+    return torch.nn.functional.silu(gate) * up
+
+
+def build_swiglu(M, N, dtype, device, backward=False):
+    """M rows of the MLP's intermediate width N: gate and up."""
+    ours = _kernel("swiglu")
+    g = _rand(M, N, dtype=dtype, device=device, scale=3.0)
+    u = _rand(M, N, dtype=dtype, device=device)
+    try:
+        fn = _liger("swiglu", "LigerSiLUMulFunction")
+        liger = lambda g, u: fn.apply(g, u)  # noqa: E731
+    except Skip as exc:
+        liger = exc
+    shape = f"gate, up ({M}, {N})"
+    if not backward:
+        # Must move: read g and u; write y.
+        nbytes = timing.bytes_moved(g, u, torch.empty_like(g))
+        return Problem((g, u), nbytes, ours, torch_swiglu, liger, shape=shape)
+    _needs_backward(ours, g, u)
+    dy = _rand(M, N, dtype=dtype, device=device)
+    # Must move: read g, u and dy; write dg and du.
+    nbytes = timing.bytes_moved(g, u, dy, torch.empty_like(g), torch.empty_like(u))
+    liger = Skip("not compared: Liger's SiLU-mul backward overwrites its saved inputs in place")
+    return Problem((g, u), nbytes, ours, torch_swiglu, liger, wrt=(0, 1), grad_outputs=(dy,),
+                   shape=shape)
+
+
+CASES += [
+    Case("swiglu", "forward", lambda M, N, dt, dev: build_swiglu(M, N, dt, dev), "forward"),
+    Case("swiglu", "backward", lambda M, N, dt, dev: build_swiglu(M, N, dt, dev, True),
+         "backward"),
+]
+
+#: Qwen3-8B's head at a training step of 8,192 tokens: (M, V, d).
+LCE_SHAPE = (8192, 151_936, 4096)
+
+
+def measure_linear_cross_entropy(timer, device, dtype=torch.bfloat16, shape=LCE_SHAPE):
+    """Forward + backward of the LM-head loss at ``shape`` = (M, V, d), three ways: this
+    package's ``linear_cross_entropy``, the materialized ``F.linear`` + ``kernels.cross_entropy``,
+    and Liger's fused linear cross-entropy when installed. One row each: time (``timer`` of a
+    zero-argument callable, ms), the peak memory beyond inputs and gradients (on a GPU
+    ``torch.cuda.max_memory_allocated``; on the CPU the largest storage an op allocated,
+    labelled so), both against the logits' size, and the loss against the materialized one."""
+    import kernels
+    from kernels.linear_cross_entropy import largest_intermediate
+
+    M, V, d = shape
+    h = _rand(M, d, dtype=dtype, device=device).requires_grad_()
+    w = _rand(V, d, dtype=dtype, device=device, scale=d**-0.5).requires_grad_()
+    t = torch.randint(0, V, (M,), device=device)
+    e = torch.empty((), dtype=dtype).element_size()
+    logits_bytes = M * V * e
+    grads_bytes = (M + V) * d * e
+
+    def materialized(h, w, t):
+        return kernels.cross_entropy(torch.nn.functional.linear(h, w), t)
+
+    providers = {"kernels": kernels.linear_cross_entropy, "F.linear + kernels.cross_entropy":
+                 materialized}
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        liger = LigerFusedLinearCrossEntropyLoss()
+        providers["liger"] = lambda h, w, t: liger(w, h, t)
+    except Exception as exc:  # not installed, or an API this code does not know
+        providers["liger"] = Skip(f"liger-kernel unavailable ({type(exc).__name__})")
+    want = None
+    rows = []
+    for name, fn in providers.items():
+        row = {"kernel": "linear_cross_entropy", "provider": name, "M": M, "V": V, "d": d,
+               "dtype": str(dtype).replace("torch.", ""), "logits_bytes": logits_bytes}
+        if isinstance(fn, Skip):
+            rows.append({**row, "status": "skipped", "note": str(fn)})
+            continue
+
+        def step(fn=fn):
+            loss = fn(h, w, t)
+            torch.autograd.grad(loss, (h, w))
+            return loss
+
+        try:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
+                loss = step()
+                torch.cuda.synchronize(device)
+                extra = torch.cuda.max_memory_allocated(device) - base - grads_bytes
+                how = "torch.cuda.max_memory_allocated - inputs - gradients"
+            else:
+                loss, extra = largest_intermediate(step)
+                how = "CPU: largest storage one op allocated (not a peak of the sum)"
+            ms = float(timer(step))
+        except Exception as exc:  # e.g. out of memory for the materialized logits
+            rows.append({**row, "status": "error", "note": f"{type(exc).__name__}: {exc}"[:200]})
+            continue
+        loss = float(loss.detach())
+        want = loss if want is None else want
+        rows.append({**row, "status": "ok", "ms": ms, "extra_bytes": int(extra),
+                     "extra_over_logits": extra / logits_bytes, "memory": how,
+                     "loss": loss, "loss_diff": abs(loss - want)})
+    return rows

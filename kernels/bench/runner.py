@@ -211,13 +211,14 @@ def run_problem(case: Case, problem: Problem, M: int, N: int, providers: list[st
 
 
 def run(cases: list[Case], sizes: list[int], *, elements: int, dtype: torch.dtype, providers: list[str],
-        timer, copy_gbps: float, compile_ok: bool, log=print, decode=(), compile_sizes=None) -> list[dict]:
+        timer, copy_gbps: float, compile_ok: bool, log=print, decode=(), compile_sizes=None,
+        smoke=False) -> list[dict]:
     """Every case at every shape: (elements // N, N) for N in ``sizes``, then the ``decode`` (M, N).
     ``compile_sizes``: the N at which torch.compile is timed (None: all); it compiles once per shape."""
     rows = []
     shapes = [(max(1, elements // N), N, "sweep") for N in sizes] + [(M, N, "decode") for M, N in decode]
     for case in cases:
-        for M, N, regime in shapes:
+        for M, N, regime in (case.shapes(smoke) if case.shapes else shapes):
             try:
                 problem = case.build(M, N, dtype, DEVICE)
             except (Skip, ImportError, AttributeError) as exc:  # a kernel (or its backward) not written yet
@@ -318,7 +319,8 @@ def main(argv: list[str] | None = None, log=print) -> dict:
     compile_sizes = {int(s) for s in args.compile_sizes.split(",")} if args.compile_sizes else None
     prov.update({"decode": decode, "compile_sizes": sorted(compile_sizes) if compile_sizes else "all"})
     rows = run(cases, sizes, elements=elements, dtype=dtype, providers=providers, timer=timer,
-               copy_gbps=copy["GB/s"], compile_ok=on_gpu, log=log, decode=decode, compile_sizes=compile_sizes)
+               copy_gbps=copy["GB/s"], compile_ok=on_gpu, log=log, decode=decode, compile_sizes=compile_sizes,
+               smoke=args.smoke)
     errors = errors_of(rows)
     json_path, csv_path = write_results(out, prov, copy, rows, errors)
     log(f"wrote {json_path} and {csv_path.name}")
