@@ -369,3 +369,17 @@ def test_search_pins_the_threshold_in_its_passes():
     assert sampling.row_reads() == 1
     assert sampling.row_reads(top_k=True) == sampling.SEARCH_PASSES + 1
     assert sampling.row_reads(top_k=True, top_p=True) == 2 * sampling.SEARCH_PASSES + 2
+
+
+@pytest.mark.parametrize("n", [50, 300])
+def test_a_rows_threshold_and_draw_do_not_depend_on_its_batch(n):
+    """Tiles depend on N only (never on M): row 0's threshold key and draw are the same alone
+    and in batches of 3 and 64 (its Philox counters, r·N + c with r = 0, are the same too).
+    A threshold found by a different reduction order could move at a top-p boundary."""
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(64, n, generator=g) * 2).to(DEVICE)
+    filters = (0.9, 20, 0.8, None, 41)  # temperature, top-k, top-p, min-p, seed
+    alone = sampling._launch(x[:1], x[:1].amax(-1), *filters)
+    for m in (3, 64):
+        batch = sampling._launch(x[:m], x[:m].amax(-1), *filters)
+        assert batch[0][0] == alone[0][0] and batch[1][0] == alone[1][0]
