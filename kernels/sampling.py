@@ -5,19 +5,19 @@ and :math:`p \propto e^{z}`. The filters keep the tokens whose scaled logit reac
 applied in Hugging Face's order (temperature, top-k, top-p, min-p):
 
 - top-k: :math:`z_i \ge` the k-th largest :math:`z` (ties with it are kept: possibly more than k);
-- top-p: of the top-k set, token :math:`i` is kept iff the probability of the tokens strictly
-  more likely than it is below ``top_p`` (ties are kept or dropped together), with the
-  boundary decided at ``(1 - TOP_P_SLACK) * top_p`` (see :data:`TOP_P_SLACK`);
+- top-p: of the top-k set, token :math:`i` is kept iff the probability of the tokens
+  strictly more likely than it is below ``top_p`` (ties are kept or dropped together), with
+  the boundary decided at ``(1 - TOP_P_SLACK) * top_p`` (see :data:`TOP_P_SLACK`);
 - min-p: :math:`p_i \ge \text{min\_p}\cdot p_{\max}`, i.e. :math:`z_i \ge \ln \text{min\_p}`.
 
-Every filter is "keep :math:`z_i \ge \tau`", so the kept set is one threshold per row. The kernel
-finds it without sorting, by a search over the 2**32 fp32 bit patterns, ordered like the floats
-(:func:`_order_key`): each pass over the row counts (top-k) or sums :math:`e^{z}` (top-p) above
-FANOUT - 1 candidate keys at once and narrows the interval that holds the threshold FANOUT-fold
-(SEARCH_BITS bits a pass), so SEARCH_PASSES passes pin it exactly (:func:`row_reads`). Then it
-draws with the Gumbel-max trick (an exponential race): the sample is
-:math:`\arg\max_i z_i - \log E_i` over the kept tokens, :math:`E_i \sim \mathrm{Exp}(1)`, which
-needs neither the normalizing sum nor a prefix sum.
+Every filter is "keep :math:`z_i \ge \tau`", so the kept set is one threshold per row.
+The kernel finds it without sorting, by a search over the 2**32 fp32 bit patterns, ordered
+like the floats (:func:`_order_key`): each pass over the row counts (top-k) or sums
+:math:`e^{z}` (top-p) above FANOUT - 1 candidate keys at once and narrows the interval that
+holds the threshold FANOUT-fold (SEARCH_BITS bits a pass), so SEARCH_PASSES passes pin it
+exactly (:func:`row_reads`). Then it draws with the Gumbel-max trick (an exponential race):
+the sample is :math:`\arg\max_i z_i - \log E_i` over the kept tokens,
+:math:`E_i \sim \mathrm{Exp}(1)`, which needs neither the normalizing sum nor a prefix sum.
 
 Random numbers come from Triton's counter-based Philox (``tl.randint``): element ``(r, c)`` of the
 (M, N) row view uses key ``seed`` (two 32-bit halves, low first) and counter
@@ -38,7 +38,8 @@ from ._runtime import INTERPRET, device_guard
 
 # The order key of -inf (see _order_key): the smallest key any logit can have.
 KEY_NEG_INF = -2139095041
-# Padding lanes get a key below every logit's, so that no candidate threshold counts them.
+# Padding lanes get a key below every logit's, so that no candidate threshold counts
+# them.
 KEY_PAD = -(2**31)
 # The search starts on [KEY_LO, 1): 2**31 keys, holding every key of z in [-inf, 0].
 KEY_LO = -(2**31) + 1
@@ -47,11 +48,12 @@ SEARCH_BITS = 4
 FANOUT = 2**SEARCH_BITS
 # Passes that shrink the 2**31-key interval to one key: ceil(31 / SEARCH_BITS).
 SEARCH_PASSES = -(-31 // SEARCH_BITS)
-# Top-p decides "the mass above reaches top_p" at (1 - TOP_P_SLACK) * top_p. Probabilities
-# given as logits (log 0.3, log 0.5, ...) whose mass is meant to be exactly top_p come out a
-# few ulp either side of it after rounding; the slack, far above the kernel's summation and
-# exp errors (a few times 1e-7 relative, test_sampling.py), decides such rows one way, as an
-# exact calculation (and Hugging Face's TopPLogitsWarper) does: the mass reached top_p.
+# Top-p decides "the mass above reaches top_p" at (1 - TOP_P_SLACK) * top_p.
+# Probabilities given as logits (log 0.3, log 0.5, ...) whose mass is meant to be
+# exactly top_p come out a few ulp either side of it after rounding; the slack, far
+# above the kernel's summation and exp errors (a few times 1e-7 relative,
+# test_sampling.py), decides such rows one way, as an exact calculation (and Hugging
+# Face's TopPLogitsWarper) does: the mass reached top_p.
 TOP_P_SLACK = 2.0**-16
 # The largest fp32 below 1: V is clamped to it so that E = -log(1 - V) stays finite.
 ONE_MINUS_ULP = 1.0 - 2.0**-24
@@ -67,8 +69,9 @@ _ONE_MINUS_ULP = tl.constexpr(ONE_MINUS_ULP)
 
 
 def row_reads(top_k: bool = False, top_p: bool = False) -> int:
-    """Passes of ``_sample_kernel`` over a row wider than one tile: each search pass, the top-p
-    total and the draw read the row once (a row that fits in one tile is read once in all)."""
+    """Passes of ``_sample_kernel`` over a row wider than one tile: each search pass, the
+    top-p total and the draw read the row once (a row that fits in one tile is read once in
+    all)."""
     return 1 + top_k * SEARCH_PASSES + top_p * (1 + SEARCH_PASSES)
 
 
@@ -88,15 +91,16 @@ def _scaled_logits(X, x_rows, row_mask, cols, N, rowmax, inv_temp):
     x = tl.load(x_rows + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)
     # Shift first: z <= 0 can never overflow, however small T is.
     z = (x - rowmax[:, None]) * inv_temp
-    # -0.0 (an underflowed product) becomes +0.0, so that key order and float order agree.
+    # -0.0 (an underflowed product) becomes +0.0, so that key order and float order
+    # agree.
     z = tl.where(z == 0.0, 0.0, z)
     return tl.where(mask, z, float("-inf")), mask
 
 
 @triton.jit
 def _tile(X, x_rows, row_mask, cols, N, rowmax, inv_temp):
-    """The order keys of one tile's z (KEY_PAD on padding: below every candidate). The key is
-    all a pass keeps per element: z comes back from it exactly (:func:`_key_to_z`)."""
+    """The order keys of one tile's z (KEY_PAD on padding: below every candidate). The key
+    is all a pass keeps per element: z comes back from it exactly (:func:`_key_to_z`)."""
     z, mask = _scaled_logits(X, x_rows, row_mask, cols, N, rowmax, inv_temp)
     return tl.where(mask, _order_key(z), _KEY_PAD)
 
@@ -111,18 +115,19 @@ def _key_to_z(key):
 def _search(X, x_rows, row_mask, N, rowmax, inv_temp, key_row, floor, target,
             MASS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             SINGLE_BLOCK: tl.constexpr):
-    """Largest key t with F(t) >= target, where F(t) = #{key >= t} (MASS False) or the sum
-    of e^z over key >= max(t, floor) (MASS True); F(KEY_LO) >= target is the caller's.
+    """Largest key t with F(t) >= target, where F(t) = #{key >= t} (MASS False) or the
+    sum of e^z over key >= max(t, floor) (MASS True); F(KEY_LO) >= target is the caller's.
 
     Invariant: the answer is in [lo, lo + 2**w), F(lo) passes, F(lo + 2**w) fails (w = 31
-    at the start). A pass tests the FANOUT - 1 keys lo + j * 2**(w - SEARCH_BITS) and keeps
-    the largest that passes: F is monotone (counts exactly; masses because every F(t) is
-    summed by the same tiles and tree of non-negative terms, and rounding is monotone), so
-    the passing candidates are a prefix. key_row: the row's keys (SINGLE_BLOCK only)."""
+    at the start). A pass tests the FANOUT - 1 keys lo + j * 2**(w - SEARCH_BITS) and
+    keeps the largest that passes: F is monotone (counts exactly; masses because every
+    F(t) is summed by the same tiles and tree of non-negative terms, and rounding is
+    monotone), so the passing candidates are a prefix. key_row: the row's keys (SINGLE_BLOCK only)."""
     fan = tl.arange(0, _FANOUT)
     lo = tl.full([BLOCK_M], _KEY_LO, tl.int32)
     for p in range(_SEARCH_PASSES):
-        # The last pass may have fewer than FANOUT keys left: step 1 then tests them all.
+        # The last pass may have fewer than FANOUT keys left: step 1 then tests them
+        # all.
         step = tl.full([], 1, tl.int32) << tl.maximum(31 - _SEARCH_BITS * (p + 1), 0)
         if MASS:
             acc = tl.zeros([BLOCK_M, _FANOUT], tl.float32)
@@ -188,7 +193,8 @@ def _sample_kernel(
         tau = _search(X, x_rows, row_mask, N, rowmax, inv_temp, key_row, tau, k,
                       False, BLOCK_M, BLOCK_N, SINGLE_BLOCK)
     if HAS_TOP_P:
-        # Mass of the top-k set (unnormalized: e^z <= 1, and the max contributes exactly 1).
+        # Mass of the top-k set (unnormalized: e^z <= 1, and the max contributes exactly
+        # 1).
         total = tl.zeros([BLOCK_M], tl.float32)
         for off in range(0, N, BLOCK_N):
             if SINGLE_BLOCK:
@@ -196,10 +202,11 @@ def _sample_kernel(
             else:
                 key = _tile(X, x_rows, row_mask, off + tl.arange(0, BLOCK_N), N, rowmax,
                             inv_temp)
-            total += tl.sum(tl.where(key >= tau[:, None], tl.exp(_key_to_z(key)), 0.0), axis=1)
-        # Largest t with S(t) = sum_{key >= t} e^z >= top_p' * total (top_p' = top_p less the
-        # slack): the tokens at or above it are those whose strictly-more-likely mass is
-        # below top_p'.
+            e = tl.where(key >= tau[:, None], tl.exp(_key_to_z(key)), 0.0)
+            total += tl.sum(e, axis=1)
+        # Largest t with S(t) = sum_{key >= t} e^z >= top_p' * total (top_p' = top_p
+        # less the slack): the tokens at or above it are those whose
+        # strictly-more-likely mass is below top_p'.
         tau = _search(X, x_rows, row_mask, N, rowmax, inv_temp, key_row, tau,
                       top_p * total, True, BLOCK_M, BLOCK_N, SINGLE_BLOCK)
     if HAS_MIN_P:
@@ -207,7 +214,8 @@ def _sample_kernel(
         tau = tl.maximum(tau, _order_key(tl.full([BLOCK_M], log_min_p, tl.float32)))
     tl.store(Tau + rows, tau, mask=row_mask)
 
-    # The draw: argmax over kept tokens of z - log E (greedy: of z), first index on a tie.
+    # The draw: argmax over kept tokens of z - log E (greedy: of z), first index on a
+    # tie.
     best = tl.full([BLOCK_M], float("-inf"), tl.float32)
     best_idx = tl.zeros([BLOCK_M], tl.int64)
     for off in range(0, N, BLOCK_N):
@@ -221,12 +229,13 @@ def _sample_kernel(
         if GREEDY:
             score = z
         else:
-            # Philox counter = the element's index in the (M, N) view: independent of tiling.
+            # Philox counter = the element's index in the (M, N) view: independent of
+            # tiling.
             r = tl.randint(seed, rows[:, None] * N + cols[None, :]).to(tl.uint32, bitcast=True)
-            # V in (0, 1) with 2**-32 steps near 0, where the winners' E live. (r + 0.5) has 33
-            # significant bits: the fp32 V is exact only for r < 2**23 (V < 2**-9); above, the
-            # conversion rounds r to 24 bits (steps of up to 2**-24 near 1), and r >= 2**32 - 128
-            # rounds V up to 1, clamped to keep E finite.
+            # V in (0, 1) with 2**-32 steps near 0, where the winners' E live. (r + 0.5)
+            # has 33 significant bits: the fp32 V is exact only for r < 2**23 (V <
+            # 2**-9); above, the conversion rounds r to 24 bits (steps of up to 2**-24
+            # near 1), and r >= 2**32 - 128 rounds V up to 1, clamped to keep E finite.
             V = tl.minimum((r.to(tl.float32) + 0.5) * 2.3283064365386963e-10, _ONE_MINUS_ULP)
             score = z - tl.log(_exponential(V))
         score = tl.where(keep, score, float("-inf"))
@@ -246,21 +255,24 @@ def _forward(x2d, rowmax, seed, inv_temp, top_k, top_p, log_min_p, *, greedy, bl
     tau = torch.empty((M,), dtype=torch.int32, device=x2d.device)
     if M == 0:
         return out, tau
-    # A tile holds an int32 key (and, in the top-p search, an fp32 mass) per element, then the
-    # Philox state: at most SAMPLE_TILE elements, so that ptxas reports no spills.
+    # A tile holds an int32 key (and, in the top-p search, an fp32 mass) per element,
+    # then the Philox state: at most SAMPLE_TILE elements, so that ptxas reports no
+    # spills.
     block_n_cfg = triton.next_power_of_2(N)
     single = block_n_cfg <= SAMPLE_TILE
-    # A function of N only, never of M: the tile's shape decides how a GPU splits a row's
-    # masses over threads, so a row's bits (and kept set) do not depend on its batch.
+    # A function of N only, never of M: the tile's shape decides how a GPU splits a
+    # row's masses over threads, so a row's bits (and kept set) do not depend on its
+    # batch.
     block_m = SAMPLE_TILE // block_n_cfg if single else 1
     block_n_cfg = block_n_cfg if single else SAMPLE_TILE
-    # 8 elements per thread: ptxas keeps the keys, masses and Philox state of a 4096-element
-    # tile in registers at 16 warps; at 8 warps it capped itself at 128 and spilled (sm_90,
-    # fp16/bf16).
+    # 8 elements per thread: ptxas keeps the keys, masses and Philox state of a
+    # 4096-element tile in registers at 16 warps; at 8 warps it capped itself at 128 and
+    # spilled (sm_90, fp16/bf16).
     num_warps = SAMPLE_TILE // 256
     if INTERPRET:
-        # The interpreter pays per operation, not per element: give it 64K-element tiles. The
-        # draws do not depend on the tiling (the Philox counter is the element's index).
+        # The interpreter pays per operation, not per element: give it 64K-element
+        # tiles. The draws do not depend on the tiling (the Philox counter is the
+        # element's index).
         if single:
             block_m = min(triton.next_power_of_2(M), max(65536 // block_n_cfg, 1))
         else:
