@@ -15,7 +15,30 @@ decoder layer: ``h = x + attn``,            :func:`kernels.fused_add_rms_norm` (
 ``post_attention_layernorm(h)``
 ``Qwen3Attention``: ``q_norm``, ``k_norm``  :func:`kernels.qk_norm_rope`
 and ``apply_rotary_pos_emb``
+attention (Qwen3, Llama, Gemma 3),          :func:`kernels.attention` (bottom-right causal, GQA,
+prefill and the KV-cache steps of           Gemma 3's sliding window; the mask is checked to be
+``generate``                                exactly that pattern, else a ``ValueError``)
+``Qwen3MLP``, ``LlamaMLP`` with SiLU:       :func:`kernels.swiglu`
+``act_fn(gate_proj(x)) * up_proj(x)``
+``*ForCausalLM`` called with ``labels``:    :func:`kernels.linear_cross_entropy`, shifted as
+``lm_head`` then ``ForCausalLMLoss``        ``ForCausalLMLoss`` (``ignore_index``,
+                                            ``shift_labels``, ``num_items_in_batch``);
+                                            ``logits`` is then ``None``: never computed
 =========================================  ==================================================
+
+Chosen: with ``labels`` the output's ``logits`` is ``None`` (as Liger-Kernel's integration does
+in training): returning them would mean computing the (tokens × vocabulary) tensor the fused
+loss exists to avoid. Call the model without ``labels`` to get logits.
+
+Not patched, and why: Gemma 3's MLP (GELU-tanh, a GeGLU: no kernel here); a model whose config
+sets logit soft-capping (``final_logit_softcapping``: the loss, ``attn_logit_softcapping``: the
+attention; kernels.attention has no soft-cap) runs those parts on transformers' code; so does
+attention with dropout in training, bidirectional attention, or ``output_attentions``.
+
+Masks: kernels.attention takes no mask tensor, so the patched attention compares transformers'
+mask with the causal (and sliding-window) pattern once per forward and raises a ``ValueError``
+for anything else (a padded batch, a static cache's empty slots, packed sequences): never a
+silently ignored mask.
 
 Supported: Qwen3 (``Qwen3ForCausalLM``, ``Qwen3Model``), Llama (``LlamaForCausalLM``,
 ``LlamaModel``) and Gemma 3 text models (``Gemma3ForCausalLM``, ``Gemma3TextModel``), as written in
@@ -27,9 +50,9 @@ module's own code for that call instead of a wrong or gradient-less answer:
 
 * a norm whose weight dtype differs from the input's (transformers would promote the product
   to the wider dtype; the kernels return the input's dtype);
-* a fused kernel that has no backward yet, while gradients are needed (it is probed once, on a
-  tiny input: as soon as the kernel gains an ``autograd.Function`` the fused path is used in
-  training too);
+* a kernel that has no backward yet, while gradients are needed (it is probed once, on a
+  tiny input: as soon as the kernel gains an ``autograd.Function`` it is used in training too;
+  this is how attention trains on transformers' code until kernels.attention has a backward);
 * q and k norms with different ``eps``, or rotary tables in another dtype than q.
 
 Not fused: the residual add *after* the MLP with the next layer's ``input_layernorm``. That add
@@ -45,16 +68,20 @@ import importlib
 import inspect
 import sys
 import types
+import weakref
 
 import torch
 from torch import nn
 
 from . import _runtime  # noqa: F401  (the interpreter is set up before anything below imports triton)
+from .attention import DTYPES as ATTENTION_DTYPES, MAX_HEAD_DIM, attention
 from .fused_add_rms_norm import fused_add_rms_norm
+from .linear_cross_entropy import _linear_cross_entropy
 from .qk_norm_rope import MAX_FUSED_BYTES, qk_norm_rope
 from .rms_norm import rms_norm
+from .swiglu import swiglu
 
-__all__ = ["patch", "unpatch", "is_patched", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["patch", "unpatch", "is_patched", "torch_ops", "SUPPORTED_MODEL_TYPES"]
 
 #: ``config.model_type`` values that :func:`patch` accepts.
 SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "gemma3_text")
@@ -65,6 +92,14 @@ _NORMS = {"Qwen3RMSNorm": "llama", "LlamaRMSNorm": "llama", "Gemma3RMSNorm": "ge
 _FUSABLE_LAYERS = {"Qwen3DecoderLayer", "LlamaDecoderLayer"}
 # Attention modules with per-head q_norm/k_norm (Qwen3 convention) followed by RoPE.
 _QK_NORM_ATTENTION = {"Qwen3Attention"}
+# Attention modules whose forward is "projections, (q/k norms), RoPE, cache, attention, o_proj".
+_ATTENTION = {"Qwen3Attention", "LlamaAttention", "Gemma3Attention"}
+# MLPs "down_proj(act_fn(gate_proj(x)) * up_proj(x))"; patched when act_fn is SiLU (SwiGLU).
+# Gemma 3's MLP has the same form with GELU-tanh (GeGLU): no kernel for it, not patched.
+_GATED_MLPS = {"Qwen3MLP", "LlamaMLP", "Gemma3MLP"}
+_SILU = {"SiLU", "SiLUActivation"}
+# Causal LMs whose loss (labels given) runs as kernels.linear_cross_entropy.
+_CAUSAL_LMS = {"Qwen3ForCausalLM", "LlamaForCausalLM", "Gemma3ForCausalLM"}
 
 
 def _is_transformers_class(module: nn.Module, names) -> bool:
@@ -80,7 +115,13 @@ def _differentiable(name: str) -> bool:
     """Probe once, on a tiny input, whether a fused kernel keeps gradients (has a backward)."""
     fn = getattr(importlib.import_module(f"kernels.{name}"), name)  # the kernel module's own
     with torch.enable_grad():
-        if name == "fused_add_rms_norm":
+        if name == "attention":
+            q = torch.randn(1, 1, 2, 16, device=_runtime.DEVICE, requires_grad=True)
+            try:
+                y = fn(q, q.detach(), q.detach(), causal=True)
+            except NotImplementedError:  # "no backward yet"
+                return False
+        elif name == "fused_add_rms_norm":
             x = torch.randn(2, 4, device=_runtime.DEVICE, requires_grad=True)
             y, _ = fn(x, torch.randn(2, 4, device=_runtime.DEVICE), None)
         else:
@@ -146,8 +187,8 @@ def _decoder_layer_forward(self, hidden_states, attention_mask=None, position_id
     residual = hidden_states
     hidden_states = self.input_layernorm(hidden_states)
     attn = self.self_attn
-    # Our own attention forward, or the class's (Llama), under the cache's name for this version.
-    attn_forward = type(attn).forward if "forward" not in attn.__dict__ else _qwen3_attention_forward
+    # Our own attention forward, or the class's, under the cache's name for this version.
+    attn_forward = type(attn).forward if "forward" not in attn.__dict__ else _attention_forward
     hidden_states, _ = attn(
         hidden_states=hidden_states, attention_mask=attention_mask, position_ids=position_ids,
         use_cache=use_cache, position_embeddings=position_embeddings,
@@ -172,22 +213,84 @@ def _decoder_layer_forward(self, hidden_states, attention_mask=None, position_id
     return residual + hidden_states
 
 
-def _qwen3_attention_forward(self, hidden_states, position_embeddings, attention_mask, cache=None,
-                             **kwargs):
-    """``Qwen3Attention`` with ``q_norm``/``k_norm`` and RoPE in one :func:`kernels.qk_norm_rope`."""
-    cache = _pop_cache(cache, kwargs)
-    cos, sin = position_embeddings
+def _qk_fusable(self, hidden_states, cos, sin) -> bool:
+    """Qwen3's q_norm, k_norm and RoPE can run as one kernels.qk_norm_rope."""
+    if not _is_transformers_class(self, _QK_NORM_ATTENTION):
+        return False
     qw, kw = self.q_norm.weight, self.k_norm.weight
-    fusable = (
+    return (
         _norm_eps(self.q_norm) == _norm_eps(self.k_norm)
         and hidden_states.dtype == qw.dtype == kw.dtype == cos.dtype == sin.dtype
         and cos.dim() == 3 and cos.shape == sin.shape
         and self.head_dim * hidden_states.element_size() <= MAX_FUSED_BYTES
         and (_differentiable("qk_norm_rope") or not _needs_grad(hidden_states, qw, kw))
     )
-    if not fusable:
-        return type(self).forward(self, hidden_states, position_embeddings, attention_mask,
-                                  **{_cache_name(type(self).forward): cache}, **kwargs)
+
+
+# mask -> ((version, seq_q, seq_k, window), is it the causal pattern?): each layer of one
+# forward receives the same mask tensor, so it is compared with the pattern once.
+_MASK_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _purely_causal(mask, seq_q: int, seq_k: int, window) -> bool:
+    """Whether transformers' ``attention_mask`` is exactly the bottom-right causal pattern
+    (with the sliding window, if any) that kernels.attention computes from indices. None is
+    what transformers passes when SDPA's own is_causal suffices (seq_q == seq_k, or one query:
+    both alignments agree there). A padded batch, a static cache's unused slots, a packed or
+    bidirectional mask are not this pattern."""
+    if mask is None:
+        return True
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or tuple(mask.shape[-2:]) != (
+            seq_q, seq_k):
+        return False
+    key = (mask._version, seq_q, seq_k, window)
+    hit = _MASK_CHECKED.get(mask)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    keep = mask if mask.dtype == torch.bool else mask == 0  # float masks: 0 keep, min: drop
+    i = torch.arange(seq_q, device=mask.device)[:, None] + (seq_k - seq_q)
+    j = torch.arange(seq_k, device=mask.device)[None, :]
+    want = j <= i
+    if window is not None:
+        want &= j > i - window
+    ok = bool((keep == want).all())
+    _MASK_CHECKED[mask] = (key, ok)
+    return ok
+
+
+def _kernel_attention(self, q, k, v, attention_mask, kwargs):
+    """kernels.attention on (batch, heads, seq, head_dim) q, k, v, as transformers' eager or
+    SDPA attention would compute it: (batch, seq_q, heads, head_dim). None where the kernel
+    cannot compute what the module computes (the module's own attention runs instead):
+    dropout in training, logit soft-capping, bidirectional attention, attention weights asked
+    for, a dtype or head_dim the kernel lacks, a gradient the kernel cannot give yet."""
+    if (self.training and self.attention_dropout > 0
+            or getattr(self, "attn_logit_softcapping", None) is not None
+            or not getattr(self, "is_causal", True)
+            or kwargs.get("output_attentions")
+            or q.dtype not in ATTENTION_DTYPES or not k.dtype == v.dtype == q.dtype
+            or q.shape[-1] > MAX_HEAD_DIM
+            or (_needs_grad(q, k, v) and not _differentiable("attention"))):
+        return None
+    window = getattr(self, "sliding_window", None)
+    if not _purely_causal(attention_mask, q.shape[2], k.shape[2], window):
+        raise ValueError(
+            f"kernels.hf: attention_mask of {type(self).__name__} (layer {self.layer_idx}) is "
+            "not the plain causal mask (a padded batch, a static cache or a packed sequence): "
+            "kernels.attention takes no mask tensor, and ignoring it would be wrong. Pass "
+            "unpadded sequences of one length, or run this model unpatched "
+            "(kernels.hf.unpatch(model))")
+    out = attention(q, k, v, causal=True, scale=self.scaling, window=window)
+    return out.transpose(1, 2)
+
+
+def _attention_forward(self, hidden_states, position_embeddings, attention_mask, cache=None,
+                       **kwargs):
+    """Qwen3/Llama/Gemma 3 attention: projections; Qwen3's q/k norms and RoPE as one
+    :func:`kernels.qk_norm_rope` (else the module's norms, patched, and transformers' RoPE);
+    the KV cache; :func:`kernels.attention`; o_proj."""
+    cache = _pop_cache(cache, kwargs)
+    cos, sin = position_embeddings
     module = sys.modules[type(self).__module__]
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
@@ -195,32 +298,105 @@ def _qwen3_attention_forward(self, hidden_states, position_embeddings, attention
     query_states = self.q_proj(hidden_states).view(hidden_shape)
     key_states = self.k_proj(hidden_states).view(hidden_shape)
     value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    if cos.shape[0] not in (1, query_states.shape[0]):
-        cos, sin = cos.expand(query_states.shape[0], -1, -1), sin.expand(query_states.shape[0], -1, -1)
-    query_states, key_states = qk_norm_rope(query_states, key_states, qw, kw, cos, sin,
-                                            _norm_eps(self.q_norm))
-    query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1, 2)
+    if _qk_fusable(self, hidden_states, cos, sin):
+        if cos.shape[0] not in (1, query_states.shape[0]):
+            batch = query_states.shape[0]
+            cos, sin = cos.expand(batch, -1, -1), sin.expand(batch, -1, -1)
+        query_states, key_states = qk_norm_rope(query_states, key_states, self.q_norm.weight,
+                                                self.k_norm.weight, cos, sin,
+                                                _norm_eps(self.q_norm))
+        query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1, 2)
+    else:
+        query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1, 2)
+        if hasattr(self, "q_norm"):  # Qwen3 (not fusable here), Gemma 3: per-head RMSNorms
+            query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
+        query_states, key_states = module.apply_rotary_pos_emb(query_states, key_states, cos,
+                                                               sin)
     if cache is not None:
-        key_states, value_states = _cache_update(cache, key_states, value_states, self.layer_idx,
-                                                 cos, sin, kwargs)
-    functions, impl = module.ALL_ATTENTION_FUNCTIONS, self.config._attn_implementation
-    if hasattr(functions, "get_interface"):  # transformers 5.x
-        attention_interface = functions.get_interface(impl, module.eager_attention_forward)
-    else:  # 4.5x
-        attention_interface = module.eager_attention_forward if impl == "eager" else functions[impl]
-    attn_output, attn_weights = attention_interface(
-        self, query_states, key_states, value_states, attention_mask,
-        dropout=0.0 if not self.training else self.attention_dropout,
-        scaling=self.scaling, sliding_window=self.sliding_window, **kwargs,
-    )
+        key_states, value_states = _cache_update(cache, key_states, value_states,
+                                                 self.layer_idx, cos, sin, kwargs)
+    attn_output = _kernel_attention(self, query_states, key_states, value_states,
+                                    attention_mask, kwargs)
+    attn_weights = None
+    if attn_output is None:
+        functions, impl = module.ALL_ATTENTION_FUNCTIONS, self.config._attn_implementation
+        if hasattr(functions, "get_interface"):  # transformers 5.x
+            interface = functions.get_interface(impl, module.eager_attention_forward)
+        else:  # 4.5x
+            interface = module.eager_attention_forward if impl == "eager" else functions[impl]
+        attn_output, attn_weights = interface(
+            self, query_states, key_states, value_states, attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling, sliding_window=getattr(self, "sliding_window", None),
+            **kwargs,
+        )
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
     return self.o_proj(attn_output), attn_weights
+
+
+def _swiglu_mlp_forward(self, x):
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))`` with the gate as :func:`kernels.swiglu`."""
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    if gate.dtype != up.dtype or gate.shape != up.shape:
+        return self.down_proj(self.act_fn(gate) * up)
+    return self.down_proj(swiglu(gate, up))
+
+
+def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
+                       inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0,
+                       **kwargs):
+    """With ``labels``: the decoder, then the shifted causal-LM loss of ``lm_head`` as
+    :func:`kernels.linear_cross_entropy` (transformers' ``ForCausalLMLoss``: labels shifted by
+    one, ``ignore_index``, ``num_items_in_batch``), and **no logits** (``logits=None``): they
+    never exist. Without labels (inference, ``generate``): the class's own forward."""
+    cache = _pop_cache(cache, kwargs)
+    head = self.lm_head
+    fused = (
+        labels is not None
+        and isinstance(logits_to_keep, int) and logits_to_keep == 0
+        and getattr(head, "bias", None) is None
+        and getattr(self.config, "final_logit_softcapping", None) is None
+        and kwargs.get("return_dict", True) is not False
+    )
+    cache_kw = {_cache_name(type(self).forward): cache}
+    if not fused:
+        return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask,
+                                  position_ids=position_ids, inputs_embeds=inputs_embeds,
+                                  labels=labels, use_cache=use_cache,
+                                  logits_to_keep=logits_to_keep, **cache_kw, **kwargs)
+    outputs = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                         position_ids=position_ids, inputs_embeds=inputs_embeds,
+                         use_cache=use_cache, **{_cache_name(type(self.model).forward): cache},
+                         **kwargs)
+    hidden = outputs.last_hidden_state
+    ignore_index = kwargs.get("ignore_index", -100)
+    shift_labels = kwargs.get("shift_labels")
+    if shift_labels is None:  # tokens < n predict n; the last position predicts nothing
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    num_items = kwargs.get("num_items_in_batch")
+    weight = head.weight
+    h2d = hidden.reshape(-1, hidden.shape[-1])
+    if h2d.dtype != weight.dtype:
+        h2d = h2d.to(weight.dtype)  # what nn.Linear would refuse; transformers keeps one dtype
+    target = shift_labels.reshape(-1).to(h2d.device)
+    # transformers upcasts the logits to fp32 before its loss: the loss is rounded to fp32.
+    loss = _linear_cross_entropy(h2d, weight, target, ignore_index,
+                                 "mean" if num_items is None else "sum", torch.float32)
+    if num_items is not None:
+        loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+    out_cls = sys.modules[type(self).__module__].CausalLMOutputWithPast
+    fields = out_cls.__dataclass_fields__
+    cache_field = "cache" if "cache" in fields else "past_key_values"
+    return out_cls(loss=loss, logits=None, hidden_states=outputs.hidden_states,
+                   attentions=outputs.attentions,
+                   **{cache_field: getattr(outputs, cache_field, None)})
 
 
 # ---------------------------------------------------------------- patch / unpatch
 
 _PATCHED_FORWARDS = (_rms_norm_forward, _gemma_rms_norm_forward, _decoder_layer_forward,
-                     _qwen3_attention_forward)  # unpatch removes only these
+                     _attention_forward, _swiglu_mlp_forward,
+                     _causal_lm_forward)  # unpatch removes only these
 
 
 def _set_forward(module: nn.Module, fn) -> None:
@@ -253,8 +429,11 @@ def patch(model: nn.Module) -> nn.Module:
     Every RMSNorm of the model runs :func:`kernels.rms_norm` with its model's convention; Qwen3 and
     Llama decoder layers run the first residual add with ``post_attention_layernorm`` as
     :func:`kernels.fused_add_rms_norm`; ``Qwen3Attention`` runs ``q_norm``, ``k_norm`` and RoPE as
-    :func:`kernels.qk_norm_rope`. Parameters, buffers and the state dict are untouched; patching
-    twice is the same as once; :func:`unpatch` restores the model.
+    :func:`kernels.qk_norm_rope`; attention runs :func:`kernels.attention`, the SwiGLU gate
+    :func:`kernels.swiglu` and, with ``labels``, the loss :func:`kernels.linear_cross_entropy`
+    (see the module's docstring for what is not patched). Parameters, buffers and the state
+    dict are untouched; patching twice is the same as once; :func:`unpatch` restores the
+    model.
 
     Raises:
         TypeError: ``model`` is not a supported transformers model (see
@@ -269,8 +448,13 @@ def patch(model: nn.Module) -> nn.Module:
             found += 1
         elif _is_transformers_class(module, _FUSABLE_LAYERS):
             _set_forward(module, _decoder_layer_forward)
-        elif _is_transformers_class(module, _QK_NORM_ATTENTION):
-            _set_forward(module, _qwen3_attention_forward)
+        elif _is_transformers_class(module, _ATTENTION):
+            _set_forward(module, _attention_forward)
+        elif (_is_transformers_class(module, _GATED_MLPS)
+              and type(getattr(module, "act_fn", None)).__name__ in _SILU):
+            _set_forward(module, _swiglu_mlp_forward)
+        elif _is_transformers_class(module, _CAUSAL_LMS):
+            _set_forward(module, _causal_lm_forward)
     if not found:
         raise TypeError(f"{type(model).__name__} has no RMSNorm module that kernels.hf knows "
                         f"({sorted(_NORMS)}): nothing to patch")
@@ -290,3 +474,77 @@ def unpatch(model: nn.Module) -> nn.Module:
 def is_patched(model: nn.Module) -> bool:
     """Whether any module of ``model`` runs a forward installed by :func:`patch`."""
     return any(_ours(m) for m in model.modules())
+
+
+# ---------------------------------------------------------------- what still runs on PyTorch
+
+_MATMULS = {"mm", "addmm", "bmm", "matmul", "linear", "baddbmm"}
+_LAYOUT = {"view", "_unsafe_view", "t", "transpose", "expand", "slice", "unsqueeze",
+           "squeeze", "reshape", "as_strided", "select", "detach", "alias", "permute"}
+_ALLOCATION = {"empty", "empty_strided", "new_empty", "empty_like", "zeros", "new_zeros",
+               "zeros_like", "full", "new_full"}
+
+
+def _caller() -> str:
+    """Where the op came from: the first frame outside torch (the Triton interpreter, this
+    package's wrappers, transformers' or kernels.hf's code)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename.replace("\\", "/")
+        if "/triton/" in name:
+            return "interpreter"
+        if "/torch/" not in name and "/contextlib" not in name:
+            return "kernels" if "/kernels/" in name and not name.endswith("hf.py") else "model"
+        frame = frame.f_back
+    return "model"
+
+
+def torch_ops(fn, *args, **kwargs):
+    """(result, counts): ``fn(*args, **kwargs)`` and the PyTorch ops it ran, recorded by a
+    ``TorchDispatchMode``, as a ``collections.Counter`` of (kind, op name). Kinds: "matmul",
+    "embedding", "elementwise" (the model's remaining arithmetic), "layout" (views, transposes,
+    a ``contiguous`` copy), "cache" (the KV cache's concatenation), "kernel outputs" (the
+    buffers a Triton kernel writes), "wrappers" (argument checks and views in this package's
+    wrappers), and on the CPU "interpreter" (Triton's interpreter copying arguments: not a
+    GPU op)."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts = collections.Counter()
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            op = func.overloadpacket.__name__
+            where = _caller()
+            if where == "interpreter":
+                kind = "interpreter"
+            elif where == "kernels":
+                kind = "kernel outputs" if op in _ALLOCATION else "wrappers"
+            elif op in _MATMULS:
+                kind = "matmul"
+            elif op == "embedding":
+                kind = "embedding"
+            elif op in _LAYOUT or op == "clone":
+                kind = "layout"
+            elif op == "cat" and _in_cache_update():
+                kind = "cache"
+            elif op in _ALLOCATION:
+                kind = "allocation"
+            else:
+                kind = "elementwise" if "attention" not in op else "attention"
+            counts[kind, op] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        result = fn(*args, **kwargs)
+    return result, counts
+
+
+def _in_cache_update() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "update" and "cache_utils" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False

@@ -345,6 +345,57 @@ def attention(q, k, v, causal=False, scale=None, window=None):
     e = torch.exp(s - m)  # exp(−∞) = 0 at every hidden key
     l = e.sum(dim=-1, keepdim=True)
     return (e @ v) / torch.where(l > 0, l, torch.ones_like(l))
+
+
+def attention_probs(q, k, causal=False, scale=None, window=None):
+    r"""P = softmax(scale · Q Kᵀ + mask) in float64, with k's heads repeated for GQA; a
+    row that sees no key is all zeros. Shape (batch, heads, seq_q, seq_k)."""
+    q, k = _d(q), _d(k)
+    k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = scale * (q @ k.transpose(-1, -2))
+    keep = attention_mask(q.shape[-2], k.shape[-2], causal, window, device=s.device)
+    s = s.masked_fill(~keep, float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)
+    e = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
+    l = e.sum(dim=-1, keepdim=True)
+    return e / torch.where(l > 0, l, torch.ones_like(l))
+
+
+def attention_lse(q, k, causal=False, scale=None, window=None):
+    r"""L_i = log Σ_j exp(s_ij) over the keys row i sees (float64); +inf for a row that
+    sees none, so that exp(s − L) = 0 there. Shape (batch, heads, seq_q)."""
+    q, k = _d(q), _d(k)
+    k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = scale * (q @ k.transpose(-1, -2))
+    keep = attention_mask(q.shape[-2], k.shape[-2], causal, window, device=s.device)
+    lse = torch.logsumexp(s.masked_fill(~keep, float("-inf")), dim=-1)
+    return torch.where(keep.any(dim=-1), lse, torch.full_like(lse, float("inf")))
+
+
+def attention_backward(q, k, v, do, causal=False, scale=None, window=None):
+    r"""(dQ, dK, dV) of attention, written as the book derives them (float64):
+
+    P = softmax(S), dV = Pᵀ dO, dP = dO Vᵀ, D_i = Σ_d dO_id O_id (= Σ_j P_ij dP_ij),
+    dS = P ∘ (dP − D), dQ = scale · dS K, dK = scale · dSᵀ Q; with GQA, dK and dV are
+    summed over the q heads that share each k/v head."""
+    q, k, v, do = _d(q), _d(k), _d(v), _d(do)
+    group = q.shape[-3] // k.shape[-3]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    p = attention_probs(q, k, causal, scale, window)
+    kr, vr = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    o = p @ vr
+    dp = do @ vr.transpose(-1, -2)
+    D = (do * o).sum(dim=-1, keepdim=True)
+    ds = p * (dp - D)
+    dq = scale * (ds @ kr)
+    dk = scale * (ds.transpose(-1, -2) @ q)
+    dv = p.transpose(-1, -2) @ do
+
+    def per_kv_head(g):  # (B, H, S, D) -> (B, H_kv, S, D): sum each group of q heads
+        return g.unflatten(-3, (k.shape[-3], group)).sum(dim=-3)
+    return dq, per_kv_head(dk), per_kv_head(dv)
 # ---------------------------------------------------------------- sampling
 
 def sampling_probs(logits, temperature=1.0, top_k=None, top_p=None, min_p=None):

@@ -24,7 +24,8 @@ PATHS = [("rms_norm", "forward"), ("rms_norm", "backward"), ("layer_norm", "forw
          ("layer_norm", "backward"), ("fused_add_rms_norm", "forward"), ("qk_norm_rope", "forward"),
          ("fused_add_rms_norm", "backward"), ("qk_norm_rope", "backward"),
          ("softmax", "forward"), ("softmax", "backward"), ("cross_entropy", "forward"),
-         ("cross_entropy", "backward"), ("attention", "forward"), ("sample", "forward"),
+         ("cross_entropy", "backward"), ("attention", "forward"), ("attention", "backward"),
+         ("sample", "forward"),
          ("row_variance.two_pass", "forward"), ("row_variance.one_pass", "forward"),
          ("row_variance.welford", "forward"),
          # fp32 inputs with statistics accumulated in bf16 (the variance chapter's experiment)
@@ -47,8 +48,11 @@ INDEX_GATHERS = {("decode_attention.paged", "forward"): "Table"}
 #: - vector: qk_norm_rope loads q, k, cos and sin 64 bits at a time (each half of a head
 #:   separately, for the rotation), not 128.
 #: - vector: qk_norm_rope's backward loads cos and sin the same way.
-#: - spills: attention on sm_75 (a T4) in fp16 spills about 0.9 KB per thread at head_dim 128:
-#:   there tl.dot has no bf16 and its fp16 tiles need another tile_config.
+#: attention's sm_75 spills went when the inspector's CPU tensors stopped hiding the arch from
+#: attention.tile_config (it had picked the tensor-core tiles for sm_75).
+#: - spills: attention's backward in fp32 on sm_90, the dK/dV kernel at one decode shape
+#:   (seq 8, whose lengths are not multiples of 16): 32 bytes at 80 registers; its bench
+#:   shapes and the other archs and dtypes do not spill.
 KNOWN_TO_FAIL = {
     (check, arch, call, phase)
     for arch in ARCHS
@@ -56,7 +60,7 @@ KNOWN_TO_FAIL = {
         ("vector", "qk_norm_rope", "forward"),
         ("vector", "qk_norm_rope", "backward"),
     ]
-} | {("spills", 75, "attention", "forward")}
+} | {("spills", 90, "attention", "backward")}
 
 #: Calls that take no fp64 (the gradient checks that launch fp64 do not apply to them).
 NO_FP64 = {"attention", "decode_attention", "decode_attention.paged"}
