@@ -403,9 +403,14 @@ def sampling_probs(logits, temperature=1.0, top_k=None, top_p=None, min_p=None):
 
     z = (x − max x)/T and p ∝ e^z, restricted in Hugging Face's order to the tokens kept by
     top-k (z_i ≥ the k-th largest z; ties kept), then top-p over the renormalized top-k set
-    (keep i iff Σ_{j kept: z_j > z_i} p_j < top_p; ties kept together), then min-p
-    (p_i ≥ min_p · p_max ⇔ z_i ≥ ln min_p); renormalized. T = 0: all mass on the first argmax.
+    (keep i iff Σ_{j kept: z_j > z_i} p_j < (1 − TOP_P_SLACK)·top_p; ties kept together), then
+    min-p (p_i ≥ min_p · p_max ⇔ z_i ≥ ln min_p); renormalized. T = 0: all mass on the first
+    argmax. The slack (2⁻¹⁶, kernels.sampling.TOP_P_SLACK) counts a mass within rounding of
+    top_p as having reached it; without ties and outside that band, Hugging Face's
+    TopPLogitsWarper (cumulative sum ascending, drop where it is ≤ 1 − top_p) keeps the same set.
     """
+    from .sampling import TOP_P_SLACK
+
     x = _d(logits)
     n = x.shape[-1]
     if temperature == 0:
@@ -422,7 +427,7 @@ def sampling_probs(logits, temperature=1.0, top_k=None, top_p=None, min_p=None):
         tail = torch.cat([tail, torch.zeros_like(tail[..., :1])], -1)  # tail[j] = Σ_{l ≥ j} e_(l)
         first_above = torch.searchsorted(zs.contiguous(), z.contiguous(), right=True)
         mass_above = torch.gather(tail, -1, first_above)  # Σ e_j over z_j > z_i
-        keep &= mass_above < top_p * e.sum(-1, keepdim=True)
+        keep &= mass_above < (1 - TOP_P_SLACK) * top_p * e.sum(-1, keepdim=True)
     if min_p is not None:
         keep &= torch.exp(z) >= min_p
     p = torch.where(keep, torch.exp(z), 0.0)
