@@ -200,8 +200,14 @@ def test_tables_pad_cells_keep_numbers_whole_and_cue_scrolling(browser, server, 
             const cue = wide && box.previousElementSibling && box.previousElementSibling.classList.contains('scroll-cue')
                         && box.previousElementSibling.getBoundingClientRect().height > 0;
             // a number cell whose text lies on more than one line (its text's own boxes)
-            const lines = c => { const r = document.createRange(); r.selectNodeContents(c);
-                                 return new Set([...r.getClientRects()].map(x => Math.round(x.top))).size; };
+            // (text nodes only: a cell's <p>, as MyST writes it, is a box of its own)
+            const lines = c => { const tops = new Set();
+                                 const w = document.createTreeWalker(c, NodeFilter.SHOW_TEXT);
+                                 for (let n = w.nextNode(); n; n = w.nextNode()) {
+                                   if (!n.textContent.trim()) continue;
+                                   const r = document.createRange(); r.selectNodeContents(n);
+                                   for (const x of r.getClientRects()) tops.add(Math.round(x.top)); }
+                                 return tops.size; };
             return {
               pad: Math.min(...cells.map(c => parseFloat(getComputedStyle(c).paddingLeft) + parseFloat(getComputedStyle(c).paddingRight))),
               broken: cells.filter(c => c.classList.contains('num') && lines(c) > 1).map(c => c.textContent),
