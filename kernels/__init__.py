@@ -1,12 +1,14 @@
 """Small, verified Triton kernels for LLM normalization layers.
 
-Importing this package picks where kernels run: a CUDA GPU when one is present, otherwise
-Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1`` is set before any kernel is defined).
+Importing this package picks where kernels run: a CUDA GPU when one is present,
+otherwise Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1`` is set before any
+kernel is defined).
 
 Every kernel is checked against the float64 formulas in :mod:`kernels.reference`.
 """
 
-from ._runtime import DEVICE, HAS_CUDA, INTERPRET, default_dtype, device_name  # noqa: F401  (first: sets the interpreter)
+# noqa: F401  (first: sets the interpreter)
+from ._runtime import DEVICE, HAS_CUDA, INTERPRET, default_dtype, device_name
 from .rms_norm import rms_norm  # noqa: F401
 from .qk_norm_rope import qk_norm_rope  # noqa: F401
 from .fused_add_rms_norm import fused_add_rms_norm  # noqa: F401

@@ -81,13 +81,14 @@ def _interpret_triton_library() -> int:
 
 
 def _interpreter_index_fix() -> bool:
-    """Let interpreted loops ``for i in range(0, n_blocks)`` run under numpy >= 2.4 (Triton 3.6).
+    """Let interpreted loops ``for i in range(0, n_blocks)`` run under numpy >= 2.4
+    (Triton 3.6).
 
-    The interpreter holds a scalar as a numpy array of shape (1,), and Triton 3.6 turns it into
-    a Python int (``range`` asks for ``__index__``) with ``int(array)``, which numpy 2.4 refuses
-    ("only 0-dimensional arrays can be converted to Python scalars"). Newer Triton squeezes the
-    array first; this installs that same one-line fix where the installed Triton lacks it.
-    Returns whether it was needed."""
+    The interpreter holds a scalar as a numpy array of shape (1,), and Triton 3.6 turns
+    it into a Python int (``range`` asks for ``__index__``) with ``int(array)``, which
+    numpy 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars").
+    Newer Triton squeezes the array first; this installs that same one-line fix where
+    the installed Triton lacks it. Returns whether it was needed."""
     import inspect
 
     import triton.runtime.interpreter as interpreter

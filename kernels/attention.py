@@ -57,11 +57,13 @@ from ._config import LAUNCH
 from ._runtime import INTERPRET, device_guard
 from ._triton_utils import round_to
 
-LOG2E = 1.4426950408889634  # exp(x) = exp2(x · log2 e): the GPU's fast exponential is base 2
+# exp(x) = exp2(x · log2 e): the GPU's fast exponential is base 2
+LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453  # log(x) = log2(x) · ln 2
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 128
-ALIGNMENTS = {True: "bottom_right", "bottom_right": "bottom_right", "top_left": "top_left"}
+ALIGNMENTS = {True: "bottom_right", "bottom_right": "bottom_right",
+              "top_left": "top_left"}
 
 
 @triton.jit
@@ -72,7 +74,8 @@ def _attention_fwd(
     svb, svh, svn, svd,             # strides of V
     sob, soh, som,                  # strides of O (contiguous in dim)
     H, GROUP, seq_q, seq_k, D,      # q heads, q heads per k/v head, lengths, head_dim
-    qk_scale, offset, window,       # scale·log2(e); causal diagonal offset; window (keys per query)
+    # scale·log2(e); causal diagonal offset; window (keys per query)
+    qk_scale, offset, window,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SAVE_LSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -81,7 +84,8 @@ def _attention_fwd(
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)  # int64: batch · stride can pass 2**31
     h = bh % H
-    h_kv = (h // GROUP).to(tl.int64)  # grouped-query attention: GROUP q heads share a k/v head
+    # grouped-query attention: GROUP q heads share a k/v head
+    h_kv = (h // GROUP).to(tl.int64)
     h = h.to(tl.int64)
 
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -91,17 +95,20 @@ def _attention_fwd(
     q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqm + dims[None, :] * sqd,
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     if UPCAST:
-        q = q.to(tl.float32)  # the interpreter's bf16 dot is broken; fp32 holds bf16 exactly
+        # the interpreter's bf16 dot is broken; fp32 holds bf16 exactly
+        q = q.to(tl.float32)
     k_base = K + b * skb + h_kv * skh
     v_base = V + b * svb + h_kv * svh
 
-    # The online-softmax state of each row: max m, sum l of exp(s - m), output acc = Σ exp(s-m) v.
+    # The online-softmax state of each row: max m, sum l of exp(s - m), output acc = Σ
+    # exp(s-m) v.
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # Which keys can any row of this tile see? Tiles outside [lo, hi) are masked for every row:
-    # skip them (about half of all tiles for a causal mask, most of them for a short window).
+    # Which keys can any row of this tile see? Tiles outside [lo, hi) are masked for
+    # every row: skip them (about half of all tiles for a causal mask, most of them for
+    # a short window).
     lo = 0
     hi = seq_k
     if CAUSAL:
@@ -116,22 +123,26 @@ def _attention_fwd(
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < seq_k
         kt = tl.load(k_base + cols[None, :] * skn + dims[:, None] * skd,
-                     mask=col_ok[None, :] & dim_ok[:, None], other=0.0)  # K tile, transposed
+                     # K tile, transposed
+                     mask=col_ok[None, :] & dim_ok[:, None], other=0.0)
         if UPCAST:
             kt = kt.to(tl.float32)
         # Scores in base 2: s·log2(e), so that exp2 gives exp(s).
-        s = tl.dot(q, kt, input_precision=DOT_PRECISION, out_dtype=tl.float32) * qk_scale
+        s = tl.dot(q, kt, input_precision=DOT_PRECISION,
+                   out_dtype=tl.float32) * qk_scale
         keep = col_ok[None, :] & row_ok[:, None]
         if CAUSAL:
             keep = keep & (cols[None, :] <= rows[:, None] + offset)
             if WINDOW:
                 keep = keep & (cols[None, :] > rows[:, None] + offset - window)
-        s = tl.where(keep, s, float("-inf"))  # where, not +(-inf): a NaN key stays masked
+        # where, not +(-inf): a NaN key stays masked
+        s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         # A row with no visible key yet has m_new = -inf; shift by 0 instead, so that
         # exp2(-inf - (-inf)) = NaN never appears and its p and l stay exactly 0.
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_use)  # rescales the old state to the new maximum (0 if m = -inf)
+        # rescales the old state to the new maximum (0 if m = -inf)
+        alpha = tl.exp2(m - m_use)
         p = tl.exp2(s - m_use[:, None])
         l = l * alpha + tl.sum(p, axis=1)
         vt = tl.load(v_base + cols[:, None] * svn + dims[None, :] * svd,
@@ -156,7 +167,8 @@ def _attention_fwd(
     # Normalize once at the end.
     out = acc / l_pos[:, None]
     o_ptr = O + b * sob + h * soh + rows[:, None] * som + dims[None, :]
-    tl.store(o_ptr, round_to(out, O.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    tl.store(o_ptr, round_to(out, O.dtype.element_ty),
+             mask=row_ok[:, None] & dim_ok[None, :])
     tl.store(Tiles + bh.to(tl.int64) * tl.num_programs(0) + tile_m, visited)
 
 
@@ -350,7 +362,8 @@ def _attention_bwd_dq(
         if UPCAST:
             kt = kt.to(tl.float32)
             vt = vt.to(tl.float32)
-        s = tl.dot(q, kt, input_precision=DOT_PRECISION, out_dtype=tl.float32) * qk_scale
+        s = tl.dot(q, kt, input_precision=DOT_PRECISION,
+                   out_dtype=tl.float32) * qk_scale
         keep = col_ok[None, :] & row_ok[:, None]
         if CAUSAL:
             keep = keep & (cols[None, :] <= rows[:, None] + offset)
@@ -370,24 +383,29 @@ def _attention_bwd_dq(
 
 
 def tile_config(head_dim: int, dtype: torch.dtype, capability=None):
-    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps) for a head_dim, dtype and GPU (None: interpreter).
+    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps) for a head_dim, dtype and GPU (None:
+    interpreter).
 
-    Chosen so that ``ptxas -v`` reports no register spills on sm_90a, sm_80 and sm_75 (checked
-    with Triton 3.9 for head_dim 16, 64 and 128, causal with window). fp16/bf16 on
-    sm_80+ use tensor cores: 64 queries × 64 keys (32 keys above head_dim 64), 8 warps
-    for BLOCK_D 64, 4 otherwise (at head_dim 128, 8 warps were held to 128 registers on
-    sm_80 and spilled once the forward also wrote L). fp32 (IEEE, no
-    TF32) and every dtype on sm_75 (where this Triton emits no tensor-core code for these tiles)
+    Chosen so that ``ptxas -v`` reports no register spills on sm_90a, sm_80 and sm_75
+    (checked with Triton 3.9 for head_dim 16, 64 and 128, causal with window). fp16/bf16
+    on sm_80+ use tensor cores: 64 queries × 64 keys (32 keys above head_dim 64), 8
+    warps for BLOCK_D 64, 4 otherwise (at head_dim 128, 8 warps were held to 128
+    registers on sm_80 and spilled once the forward also wrote L). fp32 (IEEE, no TF32)
+    and every dtype on sm_75 (where this Triton emits no tensor-core code for these
+    tiles)
     multiply with FMAs and hold whole tiles per thread: smaller tiles.
     """
-    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs every dimension >= 16
-    tensor_cores = dtype != torch.float32 and (capability is None or capability >= (8, 0))
+    # tl.dot needs every dimension >= 16
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    tensor_cores = dtype != torch.float32 and (capability is None
+                                               or capability >= (8, 0))
     if tensor_cores:
         if block_d > 64:
             return 64, 32, block_d, 4  # 8 warps: held to 128 registers on sm_80: spills
         return 64, 64, block_d, 4 if block_d <= 32 else 8
     if block_d > 64:
-        return 16, 16, block_d, 8  # 8 warps: sm_90's 128-register cap would spill with 4
+        # 8 warps: sm_90's 128-register cap would spill with 4
+        return 16, 16, block_d, 8
     return 32, 32 if block_d <= 32 else 16, block_d, 4
 
 
@@ -401,7 +419,8 @@ def bwd_tile_config(head_dim: int, dtype: torch.dtype, capability=None, kernel="
     3.9). On sm_75 the tiles are multiplied in fp32 (see ``_backward``).
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
-    tensor_cores = dtype != torch.float32 and (capability is None or capability >= (8, 0))
+    tensor_cores = dtype != torch.float32 and (capability is None
+                                               or capability >= (8, 0))
     if tensor_cores:
         owned, step, warps = (64, 32, 4) if block_d <= 64 else (64, 16, 8)
     elif block_d > 64:
@@ -425,54 +444,69 @@ def _capability(t: torch.Tensor):
 
 
 def _check(q, k, v, causal, scale, window):
-    """Every argument check, before any launch; returns (alignment or None, scale, window)."""
+    """Every argument check, before any launch; returns (alignment or None, scale,
+    window)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in DTYPES:
-            raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+            raise TypeError(f"{name} must be float32, float16 or bfloat16, got "
+                            f"{t.dtype}")
         if t.dim() != 4:
-            raise ValueError(f"{name} must have 4 dimensions (batch, heads, seq, head_dim), "
+            raise ValueError(f"{name} must have 4 dimensions (batch, heads, seq, "
+                             "head_dim), "
                              f"got shape {tuple(t.shape)}")
         _validate.check_device(t, name)
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise TypeError(f"{name} must have q's dtype, {q.dtype}, got {t.dtype}")
         if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; put them on one device")
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; put "
+                             "them on one device")
         if t.shape[0] != q.shape[0]:
-            raise ValueError(f"{name} must have q's batch size, {q.shape[0]}, got {t.shape[0]}")
+            raise ValueError(f"{name} must have q's batch size, {q.shape[0]}, got "
+                             f"{t.shape[0]}")
         if t.shape[3] != q.shape[3]:
-            raise ValueError(f"{name} must have q's head_dim, {q.shape[3]}, got {t.shape[3]}")
+            raise ValueError(f"{name} must have q's head_dim, {q.shape[3]}, got "
+                             f"{t.shape[3]}")
     if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
         raise ValueError(f"v must have k's heads and seq_k, {tuple(k.shape[1:3])}, "
                          f"got {tuple(v.shape[1:3])}")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
-        raise ValueError(f"k and v heads ({k.shape[1]}) must divide q's heads ({q.shape[1]}): "
-                         "grouped-query attention shares each k/v head among a group of q heads")
+        raise ValueError(f"k and v heads ({k.shape[1]}) must divide q's heads "
+                         f"({q.shape[1]}): "
+                         "grouped-query attention shares each k/v head among a group "
+                         "of q heads")
     if not 1 <= q.shape[3] <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be between 1 and {MAX_HEAD_DIM}, got {q.shape[3]}")
+        raise ValueError(f"head_dim must be between 1 and {MAX_HEAD_DIM}, got "
+                         f"{q.shape[3]}")
     if isinstance(causal, bool):
         alignment = ALIGNMENTS[True] if causal else None
     elif isinstance(causal, str) and causal in ALIGNMENTS:
         alignment = ALIGNMENTS[causal]
     else:
-        raise ValueError(f"causal must be False, True, 'bottom_right' or 'top_left', got {causal!r}")
+        raise ValueError(f"causal must be False, True, 'bottom_right' or 'top_left', "
+                         f"got {causal!r}")
     if scale is None:
         scale = q.shape[3] ** -0.5
     elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+        raise TypeError(f"scale must be a real number or None, got "
+                        f"{type(scale).__name__}")
     scale = float(scale)
     if not abs(scale) < float("inf"):
         raise ValueError(f"scale must be finite, got {scale}")
     if window is not None:
         if isinstance(window, bool) or not isinstance(window, numbers.Integral):
-            raise TypeError(f"window must be an int or None, got {type(window).__name__}")
+            raise TypeError(f"window must be an int or None, got "
+                            f"{type(window).__name__}")
         if window < 1:
-            raise ValueError(f"window must be >= 1 (keys each query sees), got {window}")
+            raise ValueError(f"window must be >= 1 (keys each query sees), "
+                             f"got {window}")
         if alignment is None:
-            raise ValueError("window needs causal: a sliding window limits how far back a "
-                             "causal query looks (window=W: itself and the W - 1 keys before)")
+            raise ValueError("window needs causal: a sliding window limits how far "
+                             "back a "
+                             "causal query looks (window=W: itself and the W - 1 keys "
+                             "before)")
         window = int(window)
     return alignment, scale, window
 
@@ -496,7 +530,8 @@ def _forward(q, k, v, alignment, scale, window, save_lse=False):
         if save_lse:
             lse.fill_(float("inf"))
         return out.zero_(), visited.zero_(), lse
-    # Bottom-right: the diagonal ends at the last key (offset seq_k - seq_q); top-left: at 0.
+    # Bottom-right: the diagonal ends at the last key (offset seq_k - seq_q); top-left:
+    # at 0.
     offset = seq_k - seq_q if alignment == "bottom_right" else 0
     with device_guard(q):
         _attention_fwd[grid](
@@ -585,23 +620,27 @@ class AttentionFunction(torch.autograd.Function):
 
 
 def attention(q, k, v, *, causal=False, scale=None, window=None):
-    r"""``softmax(scale · q kᵀ + mask) v``, never holding the ``seq_q × seq_k`` scores in memory.
+    r"""``softmax(scale · q kᵀ + mask) v``, never holding the ``seq_q × seq_k`` scores
+    in memory.
 
     Args:
-        q: ``(batch, heads, seq_q, head_dim)``, float32, float16 or bfloat16; any strides.
-        k, v: ``(batch, kv_heads, seq_k, head_dim)``, q's dtype and device; ``kv_heads`` divides
-            ``heads`` (grouped-query attention: q head ``h`` uses k/v head
-            ``h // (heads // kv_heads)``, as SDPA's ``enable_gqa=True``).
-        causal: ``False``; ``True`` or ``"bottom_right"`` (query ``i`` sees keys
-            ``j <= i + seq_k - seq_q``: decoding with a KV cache, FlashAttention 2.1+); or
-            ``"top_left"`` (``j <= i``: SDPA's ``is_causal=True``). Equal when seq_q == seq_k.
+        q: ``(batch, heads, seq_q, head_dim)``, float32, float16 or bfloat16; any
+        strides.
+        k, v: ``(batch, kv_heads, seq_k, head_dim)``, q's dtype and device; ``kv_heads``
+            divides ``heads`` (grouped-query attention: q head ``h`` uses k/v head ``h
+            // (heads // kv_heads)``, as SDPA's ``enable_gqa=True``).
+        causal: ``False``; ``True`` or ``"bottom_right"`` (query ``i`` sees keys ``j <=
+            i + seq_k - seq_q``: decoding with a KV cache, FlashAttention 2.1+); or
+            ``"top_left"`` (``j <= i``: SDPA's ``is_causal=True``). Equal when seq_q ==
+            seq_k.
         scale: multiplies the scores; default ``1/sqrt(head_dim)``.
         window: with ``causal``, each query sees at most ``window`` keys: itself and the
             ``window - 1`` before it (Mistral's sliding window).
 
-    Returns a tensor of q's shape and dtype. Scores, softmax state and output are accumulated
-    in fp32; the probabilities are rounded to the input dtype before multiplying ``v`` (as
-    FlashAttention does). A query row that sees no key returns zeros.
+    Returns a tensor of q's shape and dtype. Scores, softmax state and output are
+    accumulated in fp32; the probabilities are rounded to the input dtype before
+    multiplying ``v`` (as FlashAttention does). A query row that sees no key returns
+    zeros.
 
     Differentiable in q, k and v (FlashAttention-2 backward, see
     :class:`AttentionFunction`): the forward then also saves the per-row log-sum-exp (4
@@ -619,8 +658,9 @@ def attention(q, k, v, *, causal=False, scale=None, window=None):
 
 
 def tiles_visited(q, k, v, *, causal=False, scale=None, window=None):
-    """(visited, total): key tiles the kernel visited, summed over its programs, and the tiles
-    a kernel without skipping would visit. Runs the kernel; the count comes from the kernel."""
+    """(visited, total): key tiles the kernel visited, summed over its programs, and the
+    tiles a kernel without skipping would visit. Runs the kernel; the count comes from
+    the kernel."""
     alignment, scale, window = _check(q, k, v, causal, scale, window)
     out, visited, _ = _forward(q, k, v, alignment, scale, window)
     BLOCK_N = tile_config(q.shape[3], q.dtype, _capability(q))[1]

@@ -1,20 +1,22 @@
 r"""Residual add fused with RMSNorm, as a Triton kernel.
 
-.. math:: h = x + r, \qquad y_i = \gamma_i \, \frac{h_i}{\sqrt{\tfrac1n \sum_k h_k^2 + \epsilon}}
+.. math:: h = x + r,
+          \qquad y_i = \gamma_i \, \frac{h_i}{\sqrt{\tfrac1n \sum_k h_k^2 + \epsilon}}
 
-In a pre-norm transformer every block ends with ``h = h + f(h)`` and the next block starts with
-``rms_norm(h)``. Done as two kernels that is five passes over a row-sized tensor (the add reads two
-and writes one, the norm reads one and writes one); fused it is four: read ``x`` and ``r``, write
-``h`` and ``y``. The normalization reads ``h`` as stored (rounded to the input dtype), exactly as
-the unfused Hugging Face code does, so the two agree bit for bit up to the fp32 sum's order.
-The conventions (``offset``, ``casting_mode``) are :func:`kernels.rms_norm`'s.
+In a pre-norm transformer every block ends with ``h = h + f(h)`` and the next block
+starts with ``rms_norm(h)``. Done as two kernels that is five passes over a row-sized
+tensor (the add reads two and writes one, the norm reads one and writes one); fused it
+is four: read ``x`` and ``r``, write ``h`` and ``y``. The normalization reads ``h`` as
+stored (rounded to the input dtype), exactly as the unfused Hugging Face code does, so
+the two agree bit for bit up to the fp32 sum's order. The conventions (``offset``,
+``casting_mode``) are :func:`kernels.rms_norm`'s.
 
-Backward. With ``ḡ_y`` and ``ḡ_h`` the gradients reaching the two outputs, the gradient of
-``h`` is the RMSNorm vector-Jacobian product of ``ḡ_y`` plus ``ḡ_h``, and ``h = x + r`` passes
-it unchanged to both inputs (the rounding of h is treated as the identity, as autograd of the
-unfused code does): ``dx = dr = vjp(ḡ_y) + ḡ_h``. It runs in :mod:`kernels.rms_norm`'s backward
-kernel (which adds ``ḡ_h`` in the same pass) on the saved ``h`` and 1/rms: one machinery, not
-a copy.
+Backward. With ``ḡ_y`` and ``ḡ_h`` the gradients reaching the two outputs, the gradient
+of ``h`` is the RMSNorm vector-Jacobian product of ``ḡ_y`` plus ``ḡ_h``, and ``h = x +
+r`` passes it unchanged to both inputs (the rounding of h is treated as the identity, as
+autograd of the unfused code does): ``dx = dr = vjp(ḡ_y) + ḡ_h``. It runs in
+:mod:`kernels.rms_norm`'s backward kernel (which adds ``ḡ_h`` in the same pass) on the
+saved ``h`` and 1/rms: one machinery, not a copy.
 """
 
 import torch
@@ -30,10 +32,12 @@ from .rms_norm import LLAMA, _backward, _normalize, _rstd, _square, check_conven
 
 @triton.jit
 def _fused_add_rms_norm_fwd(
-    X, R, Y, H, W, Rstd,        # pointers: input, residual, output, residual out (x + r), weight, 1/rms
+    # pointers: input, residual, output, residual out (x + r), weight, 1/rms
+    X, R, Y, H, W, Rstd,
     stride_x, stride_r, stride_y, stride_h,  # distance between rows, in elements
     M, N, eps, offset,          # rows, row length, epsilon, γ' = offset + γ
-    HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr,  # ACC: accumulation dtype, fp32 (fp64 for fp64 input)
+    # ACC: accumulation dtype, fp32 (fp64 for fp64 input)
+    HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr,
     MODE: tl.constexpr,         # casting mode: 0 llama, 1 gemma, 2 none
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
 ):
@@ -47,18 +51,22 @@ def _fused_add_rms_norm_fwd(
     h_rows = H + rows[:, None] * stride_h
 
     if SINGLE_BLOCK:
-        # The whole row fits in registers: read x and r once, keep h for the normalization.
+        # The whole row fits in registers: read x and r once, keep h for the
+        # normalization.
         cols = tl.arange(0, BLOCK_N)
         mask = row_mask[:, None] & (cols < N)[None, :]
         x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(ACC)
         r = tl.load(r_rows + cols[None, :], mask=mask, other=0.0).to(ACC)
-        # Round h to the storage dtype first: the norm must see the residual stream as stored.
+        # Round h to the storage dtype first: the norm must see the residual stream as
+        # stored.
         h_low = round_to(x + r, DT)
         tl.store(h_rows + cols[None, :], h_low, mask=mask)
         h = h_low.to(ACC)
-        sum_sq = tl.sum(_square(h, DT, MODE), axis=1)  # fp32: fp16 squares overflow past 256
+        # fp32: fp16 squares overflow past 256
+        sum_sq = tl.sum(_square(h, DT, MODE), axis=1)
     else:
-        # Wider than a block: write h block by block and accumulate its sum of squares in fp32.
+        # Wider than a block: write h block by block and accumulate its sum of squares
+        # in fp32.
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
         for off in range(0, N, BLOCK_N):
             cols = off + tl.arange(0, BLOCK_N)
@@ -70,8 +78,9 @@ def _fused_add_rms_norm_fwd(
             h = h_low.to(ACC)
             acc += _square(h, DT, MODE)
         sum_sq = tl.sum(acc, axis=1)
-        # The second pass reads back h written above (one tensor instead of x and r, mostly from
-        # L2); the barrier makes every thread's stores visible to the threads that reload them.
+        # The second pass reads back h written above (one tensor instead of x and r,
+        # mostly from L2); the barrier makes every thread's stores visible to the
+        # threads that reload them.
         tl.debug_barrier()
     rstd = _rstd(sum_sq, N, eps, row_mask, DT, MODE)
     tl.store(Rstd + rows, rstd, mask=row_mask)
@@ -86,12 +95,15 @@ def _fused_add_rms_norm_fwd(
         w = h  # placeholder when there is no weight (never read)
         if HAS_WEIGHT:
             w = tl.load(W + cols, mask=cols < N, other=0.0).to(ACC)
-        tl.store(y_rows + cols[None, :], _normalize(h, rstd, w, offset, HAS_WEIGHT, DT, MODE), mask=mask)
+        tl.store(y_rows + cols[None, :],
+                 _normalize(h, rstd, w, offset, HAS_WEIGHT, DT, MODE), mask=mask)
 
 
-def _forward(x2d: torch.Tensor, r2d: torch.Tensor, weight, eps: float, offset: float = 0.0,
+def _forward(x2d: torch.Tensor, r2d: torch.Tensor, weight, eps: float,
+             offset: float = 0.0,
              mode: int = LLAMA):
-    """Launch the kernel on (M, N) views; returns (y2d, h2d, rstd), rstd in the accumulation dtype."""
+    """Launch the kernel on (M, N) views; returns (y2d, h2d, rstd), rstd in the
+    accumulation dtype."""
     M, N = x2d.shape
     y = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)
     h = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)
@@ -100,7 +112,8 @@ def _forward(x2d: torch.Tensor, r2d: torch.Tensor, weight, eps: float, offset: f
     if M == 0 or N == 0:
         return y, h, rstd.fill_(float("nan") if N == 0 else 0.0)
     cfg = rms_config(N, x2d.element_size())
-    w = weight.contiguous() if weight is not None else x2d  # dummy pointer when HAS_WEIGHT is False
+    # dummy pointer when HAS_WEIGHT is False
+    w = weight.contiguous() if weight is not None else x2d
     with device_guard(x2d):
         _fused_add_rms_norm_fwd[(triton.cdiv(M, cfg.BLOCK_M),)](
             x2d, r2d, y, h, w, rstd,
@@ -113,15 +126,17 @@ def _forward(x2d: torch.Tensor, r2d: torch.Tensor, weight, eps: float, offset: f
 
 
 class FusedAddRMSNormFunction(torch.autograd.Function):
-    """``fused_add_rms_norm`` with its Triton backward: gradients for x, residual and weight,
-    through both outputs ``y`` and ``h``."""
+    """``fused_add_rms_norm`` with its Triton backward: gradients for x, residual and
+    weight, through both outputs ``y`` and ``h``."""
 
     @staticmethod
     def forward(ctx, x, residual, weight, eps, offset, mode):
         ctx.x_shape = x.shape
         ctx.offset = offset
-        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: nothing to read
-        y, h, rstd = _forward(_validate.as_rows(x), _validate.as_rows(residual), weight, eps,
+        # an unused output's gradient stays None: nothing to read
+        ctx.set_materialize_grads(False)
+        y, h, rstd = _forward(_validate.as_rows(x), _validate.as_rows(residual), weight,
+                              eps,
                               offset, mode)
         ctx.save_for_backward(h, weight, rstd)
         return y.view(x.shape), h.view(x.shape)
@@ -131,41 +146,47 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy, dh):
         h2d, weight, rstd = ctx.saved_tensors
         need_dw = ctx.needs_input_grad[2]
-        if dy is None:  # only h was used: its gradient passes straight to x and residual
+        # only h was used: its gradient passes straight to x and residual
+        if dy is None:
             dw = torch.zeros_like(weight) if weight is not None and need_dw else None
             return dh, dh, dw, None, None, None
         dh2d = None if dh is None else _validate.as_rows(dh)
-        dx, dw = _backward(_validate.as_rows(dy), h2d, weight, rstd, need_dw, ctx.offset, dh2d)
+        dx, dw = _backward(_validate.as_rows(dy), h2d, weight, rstd, need_dw,
+                           ctx.offset, dh2d)
         dx = dx.view(ctx.x_shape)
-        # h = x + residual: the same gradient for both (autograd's AddBackward does the same).
+        # h = x + residual: the same gradient for both (autograd's AddBackward does the
+        # same).
         return dx, dx, dw, None, None, None
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, *,
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+    eps: float = 1e-6, *,
     offset: float = 0.0, casting_mode: str = "llama",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""Add the residual and RMS-normalize the sum, in one pass: returns ``(y, residual_out)``.
+    r"""Add the residual and RMS-normalize the sum, in one pass: returns ``(y,
+    residual_out)``.
 
-    ``residual_out = x + residual`` (rounded to ``x``'s dtype: the residual stream as the next
-    block receives it) and ``y = rms_norm(residual_out, weight, eps, offset=offset,
-    casting_mode=casting_mode)`` with the conventions of :func:`kernels.rms_norm` (default: fp32
-    statistics, normalized value rounded to the input dtype, then multiplied by ``weight``).
-    Equal to the unfused ``h = x + residual; y = rms_norm(h, weight, eps)`` while moving four
-    row-sized tensors instead of five. Inputs are not modified; both outputs are new contiguous
-    tensors.
+    ``residual_out = x + residual`` (rounded to ``x``'s dtype: the residual stream as
+    the next block receives it) and ``y = rms_norm(residual_out, weight, eps,
+    offset=offset, casting_mode=casting_mode)`` with the conventions of
+    :func:`kernels.rms_norm` (default: fp32 statistics, normalized value rounded to the
+    input dtype, then multiplied by ``weight``). Equal to the unfused ``h = x +
+    residual; y = rms_norm(h, weight, eps)`` while moving four row-sized tensors instead
+    of five. Inputs are not modified; both outputs are new contiguous tensors.
 
     Args:
-        x: float32, float16 or bfloat16 tensor ``(..., N)`` (float64 accepted, accumulated in
-            float64). Rows may be strided (last dimension contiguous).
+        x: float32, float16 or bfloat16 tensor ``(..., N)`` (float64 accepted,
+            accumulated in float64). Rows may be strided (last dimension contiguous).
         residual: same shape, dtype and device as ``x``.
         weight: ``None`` or a float tensor of shape ``(N,)`` on ``x``'s device.
         eps: finite, >= 0, added to the mean square inside the square root.
-        offset: finite real; the scale is ``offset + weight`` (Gemma: 1.0). Needs a weight.
+        offset: finite real; the scale is ``offset + weight`` (Gemma: 1.0). Needs a
+        weight.
         casting_mode: ``"llama"`` (default), ``"gemma"`` or ``"none"``.
 
-    Differentiable with respect to ``x``, ``residual`` and ``weight``, through both outputs
-    (Triton backward, see :class:`FusedAddRMSNormFunction`).
+    Differentiable with respect to ``x``, ``residual`` and ``weight``, through both
+    outputs (Triton backward, see :class:`FusedAddRMSNormFunction`).
 
     Raises:
         TypeError / ValueError naming the bad argument, before any kernel is launched.
@@ -182,7 +203,8 @@ def fused_add_rms_norm(
         wants_grad = x.requires_grad or residual.requires_grad or (
             weight is not None and weight.requires_grad)
         if torch.is_grad_enabled() and wants_grad:
-            # Keep the graph: dx, dr empty and dγ (an empty sum) zero, through autograd itself.
+            # Keep the graph: dx, dr empty and dγ (an empty sum) zero, through autograd
+            # itself.
             zero = (x.sum() + residual.sum()) * 0
             if weight is not None:
                 zero = zero + (weight * 0).sum()
@@ -192,5 +214,6 @@ def fused_add_rms_norm(
             weight is not None and weight.requires_grad)):
         y, h = FusedAddRMSNormFunction.apply(x, residual, weight, eps, offset, mode)
         return y, h
-    y, h, _ = _forward(_validate.as_rows(x), _validate.as_rows(residual), weight, eps, offset, mode)
+    y, h, _ = _forward(_validate.as_rows(x), _validate.as_rows(residual), weight, eps,
+                       offset, mode)
     return y.view(x.shape), h.view(x.shape)

@@ -1,34 +1,39 @@
-"""What the compiler made of each kernel: registers, spills, load widths, occupancy, without a GPU.
+"""What the compiler made of each kernel: registers, spills, load widths, occupancy,
+without a GPU.
 
     python -m kernels.inspect                  # sm_90 (H100/H200), the table on stdout
     python -m kernels.inspect --arch 80        # sm_80 (A100); 75: sm_75 (T4)
     python -m kernels.inspect --arch 90 --json table.json
 
-Every public function of the package is called at the benchmark's shapes (kernels.bench: N = 256 …
-262,144, M·N = 2**26) and at decode shapes (M = 1, 8, 64 rows of N = 4096 and 8192), forward and
-backward, in fp32, fp16 and bf16. Instead of running, each kernel launch is lowered by Triton's
-own pipeline for the target GPU **exactly as the JIT lowers it on a device**: the launch's
-arguments go through the JIT's binder (``create_function_from_signature``, the code
-``JITFunction.run`` calls), which specializes pointers aligned to 16 bytes and integers divisible
-by 16; then ``triton.compile`` with the options the launch asked for. ``ptxas -v`` (shipped in
-Triton's wheel, run with the flags Triton's own ``make_cubin`` uses) reports registers and spills;
-the PTX is read for the width of each global load and store (per kernel argument) and for the
-instructions that compute square roots and divisions.
+Every public function of the package is called at the benchmark's shapes (kernels.bench:
+N = 256 … 262,144, M·N = 2**26) and at decode shapes (M = 1, 8, 64 rows of N = 4096 and
+8192), forward and backward, in fp32, fp16 and bf16. Instead of running, each kernel
+launch is lowered by Triton's
+own pipeline for the target GPU **exactly as the JIT lowers it on a device**: the
+launch's arguments go through the JIT's binder (``create_function_from_signature``, the
+code ``JITFunction.run`` calls), which specializes pointers aligned to 16 bytes and
+integers divisible by 16; then ``triton.compile`` with the options the launch asked for.
+``ptxas -v`` (shipped in Triton's wheel, run with the flags Triton's own ``make_cubin``
+uses) reports registers and spills; the PTX is read for the width of each global load
+and store (per kernel argument) and for the instructions that compute square roots and
+divisions.
 
-From those, per launch and for the GPU of that architecture (:data:`GPUS`): CTAs per SM (limited
-by registers, threads, shared memory or the CTA cap), the grid against the SM count, and the bytes
-of global loads a resident SM keeps in flight against what Little's law asks for to sustain the
-GPU's bandwidth: ``bytes in flight = bandwidth × latency`` (per SM: divided by the SM count).
-:data:`LATENCY_NS` is the latency assumed, with its source. The last column,
-``predicted``, is a *model* (min(1, in-flight / needed) × wave efficiency), not a measurement.
+From those, per launch and for the GPU of that architecture (:data:`GPUS`): CTAs per SM
+(limited by registers, threads, shared memory or the CTA cap), the grid against the SM
+count, and the bytes of global loads a resident SM keeps in flight against what Little's
+law asks for to sustain the GPU's bandwidth: ``bytes in flight = bandwidth × latency``
+(per SM: divided by the SM count). :data:`LATENCY_NS` is the latency assumed, with its
+source. The last column, ``predicted``, is a *model* (min(1, in-flight / needed) × wave
+efficiency), not a measurement.
 
 Faking CUDA changes torch for the whole process, so the work runs in a child process
-(:func:`inspect_variants` starts one; ``python -m kernels.inspect`` too). Results of a compiled
-variant are cached on disk (``KERNELS_INSPECT_CACHE``, default ``~/.cache/kernels-inspect``),
-keyed by Triton's version, the kernel's source hash, its specialization, options and target.
+(:func:`inspect_variants` starts one; ``python -m kernels.inspect`` too). Results of a
+compiled variant are cached on disk (``KERNELS_INSPECT_CACHE``, default
+``~/.cache/kernels-inspect``), keyed by Triton's version, the kernel's source hash, its
+specialization, options and target.
 
-This module imports neither torch nor ``kernels`` at the top: the child loads it by file path,
-fakes CUDA and only then imports ``kernels``.
+This module imports neither torch nor ``kernels`` at the top: the child loads it by file
+path, fakes CUDA and only then imports ``kernels``.
 """
 
 from __future__ import annotations
@@ -47,15 +52,18 @@ import time
 from dataclasses import asdict, dataclass
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-CACHE = pathlib.Path(os.environ.get("KERNELS_INSPECT_CACHE", pathlib.Path.home() / ".cache" / "kernels-inspect"))
+CACHE = pathlib.Path(os.environ.get("KERNELS_INSPECT_CACHE",
+                                    pathlib.Path.home() / ".cache" / "kernels-inspect"))
 
 
 @dataclass(frozen=True)
 class GPU:
-    """What the occupancy and Little's-law columns need to know about one GPU of an architecture.
+    """What the occupancy and Little's-law columns need to know about one GPU of an
+    architecture.
 
-    Limits per SM from NVIDIA's CUDA C++ Programming Guide (table "Technical Specifications per
-    Compute Capability"); bandwidth and SM count from the product datasheets."""
+    Limits per SM from NVIDIA's CUDA C++ Programming Guide (table "Technical
+    Specifications per Compute Capability"); bandwidth and SM count from the product
+    datasheets."""
 
     name: str
     sms: int
@@ -64,21 +72,24 @@ class GPU:
     max_ctas: int             # resident CTAs per SM
     regs: int = 65536         # 32-bit registers per SM
     smem: int = 228 * 1024    # shared memory per SM, bytes
-    smem_reserved: int = 1024  # shared memory the system reserves per CTA (sm_80 and newer)
+    # shared memory the system reserves per CTA (sm_80 and newer)
+    smem_reserved: int = 1024
 
 
 GPUS = {
-    90: GPU("H100 SXM (132 SMs; an H200 has the same SMs and 4.8 TB/s)", 132, 3.35e12, 2048, 32),
+    90: GPU("H100 SXM (132 SMs; an H200 has the same SMs and 4.8 TB/s)", 132, 3.35e12,
+            2048, 32),
     80: GPU("A100 SXM4 80GB (108 SMs)", 108, 2.039e12, 2048, 32, smem=164 * 1024),
     75: GPU("T4 (40 SMs)", 40, 320e9, 1024, 16, smem=64 * 1024, smem_reserved=0),
 }
 
-#: DRAM latency assumed for Little's law, in nanoseconds. Pointer-chasing microbenchmarks put the
-#: unloaded global-memory latency of A100/H100-class GPUs at several hundred nanoseconds (Chips and
-#: Cheese, "Nvidia's H100: Funny L2, and Tons of Bandwidth", 2023; Jia et al., "Dissecting the
-#: NVIDIA Volta GPU Architecture via Microbenchmarking", 2018, and the Turing T4 sequel, 2019);
-#: under load it is higher. We take a round 600 ns for every architecture: an assumption with its
-#: source, not a measurement, and a parameter (``--latency-ns``).
+#: DRAM latency assumed for Little's law, in nanoseconds. Pointer-chasing
+#: microbenchmarks put the unloaded global-memory latency of A100/H100-class GPUs at
+#: several hundred nanoseconds (Chips and Cheese, "Nvidia's H100: Funny L2, and Tons of
+#: Bandwidth", 2023; Jia et al., "Dissecting the NVIDIA Volta GPU Architecture via
+#: Microbenchmarking", 2018, and the Turing T4 sequel, 2019); under load it is higher.
+#: We take a round 600 ns for every architecture: an assumption with its source, not a
+#: measurement, and a parameter (``--latency-ns``).
 LATENCY_NS = 600.0
 
 DTYPES = ("fp32", "fp16", "bf16")
@@ -120,24 +131,28 @@ def _access_bits(suffix: str) -> int:
 
 
 def analyze_ptx(ptx: str, pointer_params: dict[int, str]) -> dict:
-    """Global loads/stores per kernel argument (which pointer each address derives from), loops,
-    and the sqrt/div/rsqrt/rcp instructions of one kernel's PTX.
+    """Global loads/stores per kernel argument (which pointer each address derives
+    from), loops, and the sqrt/div/rsqrt/rcp instructions of one kernel's PTX.
 
-    ``pointer_params`` maps the index of a PTX parameter to the kernel argument's name. Addresses
-    are traced back through 64-bit integer arithmetic to the ``ld.param`` of a pointer."""
+    ``pointer_params`` maps the index of a PTX parameter to the kernel argument's name.
+    Addresses are traced back through 64-bit integer arithmetic to the ``ld.param`` of a
+    pointer."""
     lines = [line.strip() for line in ptx.splitlines()]
     taint: dict[str, frozenset] = {}
     for line in lines:
         m = _PARAM.search(line)
         if m and int(m.group(3)) in pointer_params:
             taint[m.group(1)] = frozenset([pointer_params[int(m.group(3))]])
-    # Propagate through 64-bit registers until nothing changes (loops carry pointers around).
+    # Propagate through 64-bit registers until nothing changes (loops carry pointers
+    # around).
     for _ in range(8):
         changed = False
         for line in lines:
-            if not line or line.startswith(("//", ".", "$")) or _ACCESS.search(line) or "ld.param" in line:
+            if (not line or line.startswith(("//", ".", "$")) or _ACCESS.search(line)
+                    or "ld.param" in line):
                 continue
-            # "@%p1 op.type dest, src, ...;": only a 64-bit destination can hold an address.
+            # "@%p1 op.type dest, src, ...;": only a 64-bit destination can hold an
+            # address.
             body = re.sub(r"^@!?%p\d+\s+", "", line.split("//")[0]).rstrip(";")
             parts = body.split(None, 1)
             if len(parts) < 2 or parts[0].startswith(("st.", "bra", "setp", "ret")):
@@ -171,7 +186,8 @@ def analyze_ptx(ptx: str, pointer_params: dict[int, str]) -> dict:
         owners = sorted(taint.get(a.group(1), ())) if a else []
         inner = [lp for lp in loops if lp[0] <= i <= lp[1]]
         loop = min(inner, key=lambda lp: lp[1] - lp[0]) if inner else None
-        accesses.append({"op": m.group(1), "bits": _access_bits(m.group(2)), "args": owners, "loop": loop})
+        accesses.append({"op": m.group(1), "bits": _access_bits(m.group(2)),
+                         "args": owners, "loop": loop})
     math_ops: dict[str, int] = {}
     for line in lines:
         for op in _MATH.findall(line):
@@ -180,16 +196,19 @@ def analyze_ptx(ptx: str, pointer_params: dict[int, str]) -> dict:
 
 
 def _ptxas(ptx: str, arch: int, fp_fusion: bool) -> dict:
-    """Registers, spills, stack and shared memory from ``ptxas -v``, run as Triton's make_cubin runs it."""
+    """Registers, spills, stack and shared memory from ``ptxas -v``, run as Triton's
+    make_cubin runs it."""
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 
     with tempfile.TemporaryDirectory() as tmp:
         src = pathlib.Path(tmp) / "k.ptx"
         src.write_text(ptx)
-        cmd = [get_ptxas(arch).path, "-lineinfo", *([] if fp_fusion else ["--fmad=false"]), "-v",
-               "--regAllocOptLevel=2", f"--gpu-name={sm_arch_from_capability(arch)}", str(src),
+        fmad = [] if fp_fusion else ["--fmad=false"]
+        cmd = [get_ptxas(arch).path, "-lineinfo", *fmad, "-v", "--regAllocOptLevel=2",
+               f"--gpu-name={sm_arch_from_capability(arch)}", str(src),
                "-o", str(src) + ".o"]
-        return parse_ptxas_log(subprocess.run(cmd, capture_output=True, text=True, check=True).stderr)
+        return parse_ptxas_log(subprocess.run(cmd, capture_output=True, text=True,
+                                              check=True).stderr)
 
 
 def parse_ptxas_log(log: str) -> dict:
@@ -197,8 +216,10 @@ def parse_ptxas_log(log: str) -> dict:
         m = re.search(pattern, log)
         return int(m.group(1)) if m else 0
 
-    return {"registers": num(r"Used (\d+) registers"), "spill_stores": num(r"(\d+) bytes spill stores"),
-            "spill_loads": num(r"(\d+) bytes spill loads"), "stack": num(r"(\d+) bytes stack frame"),
+    return {"registers": num(r"Used (\d+) registers"),
+            "spill_stores": num(r"(\d+) bytes spill stores"),
+            "spill_loads": num(r"(\d+) bytes spill loads"),
+            "stack": num(r"(\d+) bytes stack frame"),
             "static_smem": num(r"(\d+) bytes smem")}
 
 
@@ -206,8 +227,9 @@ _PTXAS_LOGS: list[str] = []
 
 
 def _keep_ptxas_logs() -> None:
-    """Triton's make_cubin already runs ``ptxas -v`` and throws the log away: keep it (saves a
-    second ptxas run per variant). Falls back to our own run when Triton's cache skipped ptxas."""
+    """Triton's make_cubin already runs ``ptxas -v`` and throws the log away: keep it
+    (saves a second ptxas run per variant). Falls back to our own run when Triton's
+    cache skipped ptxas."""
     import triton.backends.nvidia.compiler as nv
 
     real = nv.subprocess
@@ -230,8 +252,8 @@ def _keep_ptxas_logs() -> None:
 # ---------------------------------------------------------------- the model
 
 def occupancy(gpu: GPU, registers: int, num_warps: int, smem: int) -> tuple[int, str]:
-    """Resident CTAs per SM and what limits them (CUDA occupancy calculator's rules: registers are
-    allocated per warp in units of 256)."""
+    """Resident CTAs per SM and what limits them (CUDA occupancy calculator's rules:
+    registers are allocated per warp in units of 256)."""
     regs_per_warp = math.ceil(max(registers, 1) * 32 / 256) * 256
     limits = {
         "registers": (gpu.regs // regs_per_warp) // num_warps,
@@ -245,14 +267,16 @@ def occupancy(gpu: GPU, registers: int, num_warps: int, smem: int) -> tuple[int,
 
 
 def littles_law_bytes(gpu: GPU, latency_ns: float = LATENCY_NS) -> float:
-    """Bytes one SM must keep in flight to sustain the GPU's bandwidth: bandwidth × latency / SMs."""
+    """Bytes one SM must keep in flight to sustain the GPU's bandwidth: bandwidth ×
+    latency / SMs."""
     return gpu.bandwidth * latency_ns * 1e-9 / gpu.sms
 
 
 # ---------------------------------------------------------------- the child process
 
 def _fake_cuda(arch: int) -> None:
-    """Make torch report a CUDA device of ``arch`` so that ``kernels`` defines compiled kernels."""
+    """Make torch report a CUDA device of ``arch`` so that ``kernels`` defines compiled
+    kernels."""
     import types
 
     import torch
@@ -261,7 +285,8 @@ def _fake_cuda(arch: int) -> None:
     props = types.SimpleNamespace(
         name=f"compile-only {gpu.name}", major=arch // 10, minor=arch % 10,
         multi_processor_count=gpu.sms, max_threads_per_multi_processor=gpu.max_threads,
-        regs_per_multiprocessor=gpu.regs, total_memory=80 * 2**30, L2_cache_size=50 * 2**20,
+        regs_per_multiprocessor=gpu.regs, total_memory=80 * 2**30,
+        L2_cache_size=50 * 2**20,
         shared_memory_per_block_optin=gpu.smem - gpu.smem_reserved, warp_size=32)
     torch.cuda.is_available = lambda: True
     torch.cuda.device_count = lambda: 1
@@ -271,15 +296,18 @@ def _fake_cuda(arch: int) -> None:
     torch.cuda.get_device_name = lambda *a, **k: props.name
 
 
-#: data_ptr of every row-sized tensor the current call was given (x, dy, a residual, q, k, ...)
+#: data_ptr of every row-sized tensor the current call was given (x, dy, a residual, q,
+#: k, ...)
 _INPUTS: set[int] = set()
 
-TORCH_TO_TRITON = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64"}
+TORCH_TO_TRITON = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16",
+                   "float64": "fp64"}
 
 
 class _Capture:
-    """Intercepts ``JITFunction.run``: binds the launch's arguments with the JIT's own binder and
-    records what would be compiled and the grid, instead of compiling and launching."""
+    """Intercepts ``JITFunction.run``: binds the launch's arguments with the JIT's own
+    binder and records what would be compiled and the grid, instead of compiling and
+    launching."""
 
     def __init__(self):
         self.launches: list[dict] = []
@@ -296,39 +324,52 @@ class _Capture:
         # The same options JITFunction.run adds before it binds.
         kwargs = dict(kwargs)
         kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug
-        # Knobs that only some Triton versions have (3.6 lacks fpsan_homomorphic_casts): passed
-        # when this Triton's JIT passes them, as it does.
+        # Knobs that only some Triton versions have (3.6 lacks fpsan_homomorphic_casts):
+        # passed when this Triton's JIT passes them, as it does.
         for knob in ("instrumentation_mode", "fpsan_homomorphic_casts"):
             if hasattr(knobs.compilation, knob):
                 kwargs[knob] = getattr(knobs.compilation, knob)
         backend = make_backend(self.target)
         if fn not in self.binders:
-            self.binders[fn] = create_function_from_signature(fn.signature, fn.params, backend)
+            self.binders[fn] = create_function_from_signature(fn.signature, fn.params,
+                                                              backend)
         bound, specialization, options = self.binders[fn](*args, **kwargs)
-        options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+        options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound,
+                                                              specialization, options)
         grid = grid(bound) if callable(grid) else grid
         grid = tuple(grid) + (1,) * (3 - len(grid))
         tensors = {k: {"shape": list(v.shape), "input": v.data_ptr() in _INPUTS,
-                       "dtype": TORCH_TO_TRITON.get(str(v.dtype).replace("torch.", ""), str(v.dtype))}
+                       "dtype": TORCH_TO_TRITON.get(str(v.dtype).replace("torch.", ""),
+                                                    str(v.dtype))}
                    for k, v in bound.items() if isinstance(v, torch.Tensor)}
-        ints = {k: v for k, v in bound.items() if isinstance(v, int) and not isinstance(v, bool)}
-        consts = {str(k[0] if isinstance(k, tuple) and len(k) == 1 else k): v for k, v in constexprs.items()}
+        ints = {k: v for k, v in bound.items() if isinstance(v, int)
+                and not isinstance(v, bool)}
+        consts = {str(k[0] if isinstance(k, tuple) and len(k) == 1 else k): v for k,
+                  v in constexprs.items()}
         names = [p.name for p in fn.params]
         consts = {names[int(k)] if k.isdigit() else k: v for k, v in consts.items()}
-        # Triton's version too: fn.cache_key hashes the source only, and a new compiler makes new PTX.
-        key = json.dumps([triton.__version__, fn.cache_key, {k: str(v) for k, v in signature.items()},
-                          {k: str(v) for k, v in consts.items()}, str(sorted(attrs.items())),
-                          str(sorted(options.__dict__.items())), self.target.arch], sort_keys=True)
+        # Triton's version too: fn.cache_key hashes the source only, and a new compiler
+        # makes new PTX.
+        key = json.dumps([triton.__version__, fn.cache_key, {k: str(v) for k,
+                                                             v in signature.items()},
+                          {k: str(v) for k,
+                           v in consts.items()}, str(sorted(attrs.items())),
+                          str(sorted(options.__dict__.items())), self.target.arch],
+                          sort_keys=True)
         self.launches.append({
-            "phase": self.phase, "kernel": fn.__name__, "key": hashlib.sha256(key.encode()).hexdigest()[:20],
+            "phase": self.phase, "kernel": fn.__name__,
+            "key": hashlib.sha256(key.encode()).hexdigest()[:20],
             "grid": list(grid), "tensors": tensors, "ints": ints,
-            "constexprs": {k: str(v) for k, v in consts.items() if not isinstance(v, type(None))},
+            "constexprs": {k: str(v) for k, v in consts.items()
+                           if not isinstance(v, type(None))},
             "_compile": (fn, signature, constexprs, attrs, options),
         })
 
 
-def _compile_and_read(fn, signature, constexprs, attrs, options, target, key: str) -> dict:
-    """Lower one specialized variant to PTX (Triton's pipeline), run ptxas -v, read the PTX; cached."""
+def _compile_and_read(fn, signature, constexprs, attrs, options, target,
+                      key: str) -> dict:
+    """Lower one specialized variant to PTX (Triton's pipeline), run ptxas -v, read the
+    PTX; cached."""
     import triton
     from triton.compiler import ASTSource
 
@@ -340,26 +381,34 @@ def _compile_and_read(fn, signature, constexprs, attrs, options, target, key: st
             cached = None
         # Another Triton compiles the same source differently: its entry does not count
         # (entries written before the version was recorded are taken as they are).
-        if cached is not None and cached.get("triton", triton.__version__) == triton.__version__:
+        if cached is not None and cached.get("triton",
+                                             triton.__version__) == triton.__version__:
             return cached
 
     t0 = time.perf_counter()
     _PTXAS_LOGS.clear()
     try:
-        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs),
+                                  target=target,
                                   options=options.__dict__)
-    except Exception as exc:  # a variant that does not compile is a result, reported per row
-        return {"error": f"{type(exc).__name__}: " + " | ".join(str(exc).strip().splitlines()[-4:])}
+    # a variant that does not compile is a result, reported per row
+    except Exception as exc:
+        last = " | ".join(str(exc).strip().splitlines()[-4:])
+        return {"error": f"{type(exc).__name__}: " + last}
     ptx = compiled.asm["ptx"]
     names = [p.name for p in fn.params]
     # PTX parameters are the kernel's non-constexpr arguments, in order.
     runtime = [n for n in names if signature[n] != "constexpr"]
-    pointers = {i: n for i, n in enumerate(runtime) if str(signature[n]).startswith("*")}
+    pointers = {i: n for i, n in enumerate(runtime)
+                if str(signature[n]).startswith("*")}
     info = {"ptx_sha": hashlib.sha256(ptx.encode()).hexdigest()[:16],
-            "num_warps": compiled.metadata.num_warps, "shared": compiled.metadata.shared,
-            **(parse_ptxas_log(_PTXAS_LOGS[-1]) if _PTXAS_LOGS else _ptxas(ptx, target.arch, options.enable_fp_fusion)),
+            "num_warps": compiled.metadata.num_warps,
+            "shared": compiled.metadata.shared,
+            **(parse_ptxas_log(_PTXAS_LOGS[-1]) if _PTXAS_LOGS
+               else _ptxas(ptx, target.arch, options.enable_fp_fusion)),
             **analyze_ptx(ptx, pointers),
-            "compile_s": round(time.perf_counter() - t0, 3), "triton": triton.__version__}
+            "compile_s": round(time.perf_counter() - t0, 3),
+            "triton": triton.__version__}
     info["ptx"] = ptx
     CACHE.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -369,16 +418,19 @@ def _compile_and_read(fn, signature, constexprs, attrs, options, target, key: st
 
 
 def _calls(label: str, M: int, N: int, dtype: str, which: set[str] | None):
-    """(name, phase → callable) for every public function of the package at one shape."""
+    """(name, phase → callable) for every public function of the package at one
+    shape."""
     import torch
 
     import kernels
     from kernels.bench import cases
 
-    dt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64}[dtype]
+    dt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+          "fp64": torch.float64}[dtype]
 
     def empty(*shape, grad=False):
-        # Uninitialized and never touched: nothing runs, so a 2**26-element input costs no time.
+        # Uninitialized and never touched: nothing runs, so a 2**26-element input costs
+        # no time.
         t = torch.empty(*shape, dtype=dt).requires_grad_(grad)
         if len(shape) >= 2:
             _INPUTS.add(t.data_ptr())
@@ -386,8 +438,9 @@ def _calls(label: str, M: int, N: int, dtype: str, which: set[str] | None):
 
     def pair(fn, make_inputs, grad_args=()):
         """(forward, backward): the call without gradients, and, when the function is
-        differentiable here, the call with ``grad_args`` requiring grad followed by its backward
-        (a generator: the forward's launches, ``yield``, the backward's launches)."""
+        differentiable here, the call with ``grad_args`` requiring grad followed by its
+        backward (a generator: the forward's launches, ``yield``, the backward's
+        launches)."""
         def forward():
             fn(*make_inputs(()))
 
@@ -398,26 +451,32 @@ def _calls(label: str, M: int, N: int, dtype: str, which: set[str] | None):
                 if "grad" not in str(exc):
                     raise
                 return  # refuses inputs that require grad: no backward to inspect
-            outs = [o for o in (outs if isinstance(outs, tuple) else (outs,)) if o.grad_fn is not None]
+            outs = [o for o in (outs if isinstance(outs, tuple)
+                                else (outs,)) if o.grad_fn is not None]
             yield
             if outs:
-                grads = [torch.empty_like(o) for o in outs]  # dy: an input of the backward
+                # dy: an input of the backward
+                grads = [torch.empty_like(o) for o in outs]
                 _INPUTS.update(g.data_ptr() for g in grads)
                 torch.autograd.backward(outs, grads)
         return forward, backward
 
     def rows_and(vectors):
-        return lambda g: [empty(M, N, grad=0 in g)] + [empty(N, grad=i + 1 in g) for i in range(vectors)]
+        return lambda g: ([empty(M, N, grad=0 in g)]
+                          + [empty(N, grad=i + 1 in g) for i in range(vectors)])
 
     def qk_inputs(g):
         hq = max(1, N // cases.HEAD_DIM)
         hk = max(1, hq // cases.GQA_GROUP)
         d = cases.HEAD_DIM
-        return [empty(1, M, hq, d, grad=0 in g), empty(1, M, hk, d, grad=1 in g), empty(d, grad=2 in g),
+        return [empty(1, M, hq, d, grad=0 in g), empty(1, M, hk, d,
+                                                       grad=1 in g), empty(d,
+                                                                           grad=2 in g),
                 empty(d, grad=3 in g), empty(1, M, d), empty(1, M, d)]
 
     def attention_inputs(g):
-        # one sequence of M tokens; N // HEAD_DIM query heads, grouped as in the benchmark
+        # one sequence of M tokens; N // HEAD_DIM query heads, grouped as in the
+        # benchmark
         hq = max(1, N // cases.HEAD_DIM)
         hk = max(1, hq // cases.GQA_GROUP)
         d = cases.HEAD_DIM
@@ -428,33 +487,40 @@ def _calls(label: str, M: int, N: int, dtype: str, which: set[str] | None):
         "rms_norm": pair(kernels.rms_norm, rows_and(1), (0, 1)),
         "layer_norm": pair(kernels.layer_norm, rows_and(2), (0, 1, 2)),
         "fused_add_rms_norm": pair(kernels.fused_add_rms_norm,
-                                   lambda g: [empty(M, N, grad=0 in g), empty(M, N, grad=1 in g),
+                                   lambda g: [empty(M, N,
+                                                    grad=0 in g), empty(M, N,
+                                                                        grad=1 in g),
                                               empty(N, grad=2 in g)], (0, 1, 2)),
         "qk_norm_rope": pair(kernels.qk_norm_rope, qk_inputs, (0, 1, 2, 3)),
         "softmax": pair(kernels.softmax, rows_and(0), (0,)),
         "cross_entropy": pair(kernels.cross_entropy,
-                              lambda g: [empty(M, N, grad=0 in g), torch.zeros(M, dtype=torch.int64)],
+                              lambda g: [empty(M, N, grad=0 in g),
+                                         torch.zeros(M, dtype=torch.int64)],
                               (0,)),
         "attention": pair(lambda q, k, v: kernels.attention(q, k, v, causal=True),
                           attention_inputs, (0, 1, 2)),
         "sample": (lambda: kernels.sample(torch.zeros(M, N, dtype=dt), temperature=0.8,
                                           top_k=50, top_p=0.9, generator=0), None),
-        # swiglu: gate and up of the MLP, (M, N) each (N: the intermediate size's stand-in).
-        # linear_cross_entropy launches cross_entropy's two kernels (inspected above) between
-        # cuBLAS products, which the inspector cannot lower: not listed.
+        # swiglu: gate and up of the MLP, (M, N) each (N: the intermediate size's
+        # stand-in). linear_cross_entropy launches cross_entropy's two kernels
+        # (inspected above) between cuBLAS products, which the inspector cannot lower:
+        # not listed.
         "swiglu": pair(kernels.swiglu, lambda g: [empty(M, N, grad=0 in g),
                                                   empty(M, N, grad=1 in g)], (0, 1)),
     }
-    # decode_attention (issue 19): M requests (at most 64: the cache is what is read, and a
-    # bench-sized batch of 4096-token caches would not even fit in memory) of DECODE_CACHE
-    # cached tokens, N // HEAD_DIM query heads grouped as above; contiguous and paged.
+    # decode_attention (issue 19): M requests (at most 64: the cache is what is read,
+    # and a bench-sized batch of 4096-token caches would not even fit in memory) of
+    # DECODE_CACHE cached tokens, N // HEAD_DIM query heads grouped as above; contiguous
+    # and paged.
     def decode_inputs(paged):
         hq = max(1, N // cases.HEAD_DIM)
         hk = max(1, hq // cases.GQA_GROUP)
-        d, b, s, page = cases.HEAD_DIM, min(M, 64), cases.DECODE_CACHE, cases.DECODE_PAGE
+        d, b, s, page = cases.HEAD_DIM, min(M,
+                                            64), cases.DECODE_CACHE, cases.DECODE_PAGE
         lens = torch.full((b,), s, dtype=torch.int32)
         if not paged:
-            return [empty(b, hq, 1, d), empty(b, hk, s, d), empty(b, hk, s, d), lens, None]
+            return [empty(b, hq, 1, d), empty(b, hk, s, d), empty(b, hk, s,
+                                                                  d), lens, None]
         table = torch.arange(b * (s // page), dtype=torch.int32).view(b, s // page)
         return [empty(b, hq, 1, d), empty(b * (s // page), hk, page, d),
                 empty(b * (s // page), hk, page, d), lens, table]
@@ -465,20 +531,26 @@ def _calls(label: str, M: int, N: int, dtype: str, which: set[str] | None):
         out[name] = (lambda p=paged: (lambda q, k, v, n, t: kernels.decode_attention(
             q, k, v, n, block_table=t))(*decode_inputs(p)), None)
     for method in ("two_pass", "one_pass", "welford"):
-        out[f"row_variance.{method}"] = (lambda m=method: kernels.row_variance(empty(M, N), method=m), None)
-        if dtype == "fp32":  # the variance chapter's experiment: statistics accumulated in bf16
+        out[f"row_variance.{method}"] = (
+            lambda m=method: kernels.row_variance(empty(M, N), method=m), None)
+        # the variance chapter's experiment: statistics accumulated in bf16
+        if dtype == "fp32":
             out[f"row_variance.{method}.bf16acc"] = (
-                lambda m=method: kernels.row_variance(empty(M, N), method=m, acc_dtype=torch.bfloat16), None)
+                lambda m=method: kernels.row_variance(empty(M, N), method=m,
+                                                      acc_dtype=torch.bfloat16), None)
     if dtype == "fp64":
-        out.pop("attention")  # fp32/fp16/bf16 only: it refuses fp64 (no gradient checks to serve)
+        # fp32/fp16/bf16 only: it refuses fp64 (no gradient checks to serve)
+        out.pop("attention")
         out.pop("decode_attention", None)  # the same
         out.pop("decode_attention.paged", None)
     return [(k, v) for k, v in out.items() if which is None or k in which]
 
 
-def _row(launch: dict, info: dict, gpu: GPU, arch: int, label: str, M: int, N: int, dtype: str,
+def _row(launch: dict, info: dict, gpu: GPU, arch: int, label: str, M: int, N: int,
+         dtype: str,
          call: str, latency_ns: float) -> dict:
-    row = {"arch": arch, "call": call, "phase": launch["phase"], "kernel": launch["kernel"], "shape": label,
+    row = {"arch": arch, "call": call, "phase": launch["phase"],
+           "kernel": launch["kernel"], "shape": label,
            "M": M, "N": N, "dtype": dtype, "grid": int(math.prod(launch["grid"])),
            "constexprs": launch["constexprs"], "variant": launch["key"]}
     if "error" in info:
@@ -494,28 +566,33 @@ def _row(launch: dict, info: dict, gpu: GPU, arch: int, label: str, M: int, N: i
         for arg in a["args"] or ["?"]:
             d = loads if a["op"] == "ld" else stores
             d.setdefault(arg, set()).add(a["bits"])
-    # Bytes a CTA can have in flight: the row-sized loads issued together (same innermost loop,
-    # or the straight-line code), per thread, times the threads.
+    # Bytes a CTA can have in flight: the row-sized loads issued together (same
+    # innermost loop, or the straight-line code), per thread, times the threads.
     groups: dict = {}
     for a in info["accesses"]:
         if a["op"] == "ld" and set(a["args"]) & rows_like:
             key = tuple(a["loop"]) if a["loop"] else None
             groups[key] = groups.get(key, 0) + a["bits"] // 8
     per_cta = max(groups.values(), default=0) * 32 * warps
-    resident = min(ctas, row["grid"] / gpu.sms)          # CTAs per SM, on average, at once
+    # CTAs per SM, on average, at once
+    resident = min(ctas, row["grid"] / gpu.sms)
     in_flight = resident * per_cta
     need = littles_law_bytes(gpu, latency_ns)
     waves = row["grid"] / (gpu.sms * max(ctas, 1))
-    # The last wave's idle SMs (tail effect); under one wave ``resident`` already counts them.
+    # The last wave's idle SMs (tail effect); under one wave ``resident`` already counts
+    # them.
     wave_eff = waves / math.ceil(waves) if waves > 1 else 1.0
     row.update({
-        "num_warps": warps, "registers": info["registers"], "spill_stores": info["spill_stores"],
+        "num_warps": warps, "registers": info["registers"],
+        "spill_stores": info["spill_stores"],
         "spill_loads": info["spill_loads"], "smem": smem,
         "loads": {k: sorted(v) for k, v in sorted(loads.items())},
         "stores": {k: sorted(v) for k, v in sorted(stores.items())},
-        # The row-sized inputs of the public call (x, dy, a residual, q, k, cos, sin), as passed:
-        # the tensors whose load width the tests check (not the kernels' own buffers).
-        "row_args": sorted(k for k in rows_like if tensors[k].get("input")), "math": info["math"],
+        # The row-sized inputs of the public call (x, dy, a residual, q, k, cos, sin),
+        # as passed: the tensors whose load width the tests check (not the kernels' own
+        # buffers).
+        "row_args": sorted(k for k in rows_like if tensors[k].get("input")),
+        "math": info["math"],
         "ctas_per_sm": ctas, "occupancy_limit": limiter, "waves": round(waves, 3),
         "in_flight_per_sm": round(in_flight), "littles_per_sm": round(need),
         "predicted": round(min(1.0, in_flight / need) * wave_eff, 3) if need else None,
@@ -530,9 +607,9 @@ def measured_gpu(
     sms: int | None = None,
     name: str | None = None,
 ) -> GPU:
-    """``gpu`` with what was measured on a real one: the copy bandwidth (GB/s) in place of the
-    datasheet's, so that ``predicted`` becomes a fraction of the *measured* copy bandwidth (the
-    benchmark's ``pct_of_copy``), and the SM count the device reports."""
+    """``gpu`` with what was measured on a real one: the copy bandwidth (GB/s) in place
+    of the datasheet's, so that ``predicted`` becomes a fraction of the *measured* copy
+    bandwidth (the benchmark's ``pct_of_copy``), and the SM count the device reports."""
     import dataclasses
 
     changes = {}
@@ -542,13 +619,15 @@ def measured_gpu(
         changes["sms"] = sms
     if name:
         changes["name"] = (
-            f"{name} ({sms or gpu.sms} SMs, measured copy {bandwidth_gbps or 0:.0f} GB/s)"
+            f"{name} ({sms or gpu.sms} SMs, measured copy {bandwidth_gbps or 0:.0f} "
+            "GB/s)"
         )
     return dataclasses.replace(gpu, **changes) if changes else gpu
 
 
 def _child(argv: list[str]) -> int:
-    """Runs in its own process: fake CUDA, import kernels, capture, compile, write JSON rows."""
+    """Runs in its own process: fake CUDA, import kernels, capture, compile, write JSON
+    rows."""
     p = argparse.ArgumentParser()
     p.add_argument("--arch", required=True)
     p.add_argument("--out", required=True)
@@ -573,17 +652,20 @@ def _child(argv: list[str]) -> int:
     import kernels
     import kernels._validate
 
-    assert not kernels.INTERPRET, "the kernels must be defined for the GPU compiler, not interpreted"
+    assert not kernels.INTERPRET, \
+        "the kernels must be defined for the GPU compiler, not interpreted"
     # The tensors stay on the CPU (nothing runs): let the argument checks accept them.
     kernels._validate.DEVICE = torch.device("cpu")
     _keep_ptxas_logs()
     capture = _Capture()
-    JITFunction.run = lambda self, *args, grid, warmup=False, **kw: capture.run(self, args, kw, grid)
+    JITFunction.run = (lambda self, *args, grid, warmup=False, **kw:
+                       capture.run(self, args, kw, grid))
 
     if a.shapes in ("all", "bench", "decode"):
         shapes = [s for s in bench_shapes() if a.shapes in ("all", s[0])]
     else:
-        shapes = [(s.split(":")[0], int(s.split(":")[1]), int(s.split(":")[2])) for s in a.shapes.split(",")]
+        shapes = [(s.split(":")[0], int(s.split(":")[1]),
+                   int(s.split(":")[2])) for s in a.shapes.split(",")]
     which = set(a.calls.split(",")) if a.calls else None
     rows = []
     for arch in archs:
@@ -601,31 +683,43 @@ def _child(argv: list[str]) -> int:
                             continue
                         _INPUTS.clear()
                         capture.launches, capture.phase = [], "forward"
-                        with torch.no_grad() if phase == "forward" else torch.enable_grad():
+                        grad_mode = (torch.no_grad if phase == "forward"
+                                     else torch.enable_grad)
+                        with grad_mode():
                             gen = fn()
-                            # A backward is a generator: forward launches, then backward ones
-                            # (it stops at once when the function refuses inputs requiring grad).
-                            if phase == "backward" and next(gen, StopIteration) is not StopIteration:
+                            # A backward is a generator: forward launches, then backward
+                            # ones (it stops at once when the function refuses inputs
+                            # requiring grad).
+                            started = next(gen, StopIteration) is not StopIteration
+                            if phase == "backward" and started:
                                 capture.phase = "backward"
                                 next(gen, None)
                         for launch in capture.launches:
-                            ident = (launch["phase"], launch["key"], tuple(launch["grid"]))
-                            if ident in seen:  # the forward of a backward case: already listed
+                            ident = (launch["phase"], launch["key"],
+                                     tuple(launch["grid"]))
+                            # the forward of a backward case: already listed
+                            if ident in seen:
                                 continue
                             seen.add(ident)
-                            info = _compile_and_read(*launch["_compile"], capture.target, launch["key"])
-                            row = _row(launch, info, gpu, arch, label, M, N, dtype, call, a.latency_ns)
+                            info = _compile_and_read(*launch["_compile"],
+                                                     capture.target, launch["key"])
+                            row = _row(launch, info, gpu, arch, label, M, N, dtype,
+                                       call, a.latency_ns)
                             if a.ptx and "ptx" in info:
                                 row["ptx"] = info["ptx"]
                             rows.append(row)
     import datetime
 
-    meta = {"triton": triton.__version__, "torch": torch.__version__, "latency_ns": a.latency_ns,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "note": "compiled on a CPU for the target GPU; every column but 'predicted' is the "
+    meta = {"triton": triton.__version__, "torch": torch.__version__,
+            "latency_ns": a.latency_ns,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                timespec="seconds"),
+            "note": "compiled on a CPU for the target GPU; every column but "
+            "'predicted' is the "
                     "compiler's output, 'predicted' is a model, not a measurement",
             "gpus": {str(k): asdict(GPUS[k]) for k in archs},
-            "littles_per_sm": {str(k): littles_law_bytes(GPUS[k], a.latency_ns) for k in archs}}
+            "littles_per_sm": {str(k): littles_law_bytes(GPUS[k], a.latency_ns)
+                               for k in archs}}
     pathlib.Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows}))
     return 0
 
@@ -639,20 +733,22 @@ def _child_env() -> dict:
     return env
 
 
-def run_inspector(archs=(90,), dtypes=DTYPES, shapes="all", calls=None, latency_ns=LATENCY_NS,
+def run_inspector(archs=(90,), dtypes=DTYPES, shapes="all", calls=None,
+                  latency_ns=LATENCY_NS,
                   ptx=False, timeout=4 * 3600, jobs=None, call_shapes=None, gpu_args=(),
                   partial=False) -> dict:
     """Run the inspector in a child process; returns ``{"meta": ..., "rows": [...]}``.
 
-    ``shapes``: "all", "bench", "decode", or a list of (label, M, N). ``calls``: names such as
-    "rms_norm", "layer_norm", "fused_add_rms_norm", "qk_norm_rope", "row_variance.welford".
-    ``call_shapes``: instead of calls × shapes, {call: [(label, M, N), ...]}, one child each
-    (the GPU day inspects each kernel at the shapes it measured). ``gpu_args``: extra child
-    arguments (--bandwidth-gbps, --sms, --gpu-name: see :func:`measured_gpu`). ``partial``:
-    past ``timeout`` seconds, return the units that finished (``meta.units_not_finished``)
-    instead of raising."""
+    ``shapes``: "all", "bench", "decode", or a list of (label, M, N). ``calls``: names
+    such as "rms_norm", "layer_norm", "fused_add_rms_norm", "qk_norm_rope",
+    "row_variance.welford". ``call_shapes``: instead of calls × shapes, {call: [(label,
+    M, N), ...]}, one child each (the GPU day inspects each kernel at the shapes it
+    measured). ``gpu_args``: extra child arguments (--bandwidth-gbps, --sms, --gpu-name:
+    see :func:`measured_gpu`). ``partial``: past ``timeout`` seconds, return the units
+    that finished (``meta.units_not_finished``) instead of raising."""
     def spec(sh):
-        return sh if isinstance(sh, str) else ",".join(f"{lab}:{m}:{n}" for lab, m, n in sh)
+        return sh if isinstance(sh, str) else ",".join(f"{lab}:{m}:{n}" for lab, m,
+                                                       n in sh)
 
     archs = [archs] if isinstance(archs, int) else list(archs)
     if call_shapes:
@@ -660,12 +756,14 @@ def run_inspector(archs=(90,), dtypes=DTYPES, shapes="all", calls=None, latency_
     else:
         work = [(calls or [], spec(shapes))]
     boot = ("import importlib.util, sys; "
-            f"s = importlib.util.spec_from_file_location('_kernels_inspect_child', {str(__file__)!r}); "
-            "m = importlib.util.module_from_spec(s); sys.modules[s.name] = m; s.loader.exec_module(m); "
+            f"s = importlib.util.spec_from_file_location('_kernels_inspect_child', "
+            f"{str(__file__)!r}); "
+            "m = importlib.util.module_from_spec(s); sys.modules[s.name] = m; "
+            "s.loader.exec_module(m); "
             "sys.exit(m._child(sys.argv[1:]))")
     with tempfile.TemporaryDirectory() as tmp:
-        # One child per (architecture, dtype), as many at once as there are cores: compiling is the
-        # cost, and each child compiles its own variants.
+        # One child per (architecture, dtype), as many at once as there are cores:
+        # compiling is the cost, and each child compiles its own variants.
         units = [(arch, dt, c, sh) for arch in archs for dt in dtypes for c, sh in work]
         pending, running, done = list(units), [], []
         dropped = 0
@@ -674,13 +772,17 @@ def run_inspector(archs=(90,), dtypes=DTYPES, shapes="all", calls=None, latency_
         while pending or running:
             while pending and len(running) < jobs:
                 arch, dt, unit_calls, unit_shapes = pending.pop(0)
-                out = pathlib.Path(tmp) / f"rows{arch}_{dt}_{len(done) + len(running)}.json"
-                cmd = [sys.executable, "-c", boot, "--arch", str(arch), "--out", str(out), "--dtypes", dt,
-                       "--shapes", unit_shapes, "--calls", ",".join(unit_calls),
-                       "--latency-ns", str(latency_ns), *gpu_args] + (["--ptx"] if ptx else [])
+                index = len(done) + len(running)
+                out = pathlib.Path(tmp) / f"rows{arch}_{dt}_{index}.json"
+                cmd = [sys.executable, "-c", boot, "--arch", str(arch),
+                       "--out", str(out), "--dtypes", dt, "--shapes", unit_shapes,
+                       "--calls", ",".join(unit_calls), "--latency-ns", str(latency_ns),
+                       *gpu_args] + (["--ptx"] if ptx else [])
                 log = out.with_suffix(".log")
                 with log.open("w") as f:
-                    running.append((out, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f,
+                    running.append((out,
+                                    subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
+                                                     stderr=f,
                                                           env=_child_env(), cwd=ROOT)))
             out, proc = running.pop(0)
             try:
@@ -700,9 +802,11 @@ def run_inspector(archs=(90,), dtypes=DTYPES, shapes="all", calls=None, latency_
                         p.kill()
             if proc.returncode != 0:
                 err = out.with_suffix(".log").read_text()
-                raise RuntimeError(f"kernels.inspect child failed ({proc.returncode}):\n{err[-4000:]}")
+                raise RuntimeError(f"kernels.inspect child failed "
+                                   f"({proc.returncode}):\n{err[-4000:]}")
             done.append(out)
-        result = {"meta": {"units_not_finished": dropped} if dropped else {}, "rows": []}
+        result = {"meta": {"units_not_finished": dropped} if dropped else {},
+                  "rows": []}
         for out in done:
             part = json.loads(out.read_text())
             for k, v in part["meta"].items():
@@ -715,47 +819,61 @@ def run_inspector(archs=(90,), dtypes=DTYPES, shapes="all", calls=None, latency_
 
 
 def inspect_variants(arch: int = 90, **kwargs) -> list[dict]:
-    """One row per (call, phase, kernel launch, shape, dtype) for ``arch`` (90, 80 or 75)."""
+    """One row per (call, phase, kernel launch, shape, dtype) for ``arch`` (90, 80 or
+    75)."""
     return run_inspector(archs=(arch,), **kwargs)["rows"]
 
 
 def _widths(d: dict, rows_like: list) -> str:
-    return " ".join(f"{k}:{'/'.join(map(str, v))}" for k, v in d.items() if k in rows_like) or "-"
+    return " ".join(f"{k}:{'/'.join(map(str, v))}" for k, v in d.items()
+                    if k in rows_like) or "-"
 
 
 def _math(m: dict) -> str:
-    keep = {k: v for k, v in m.items() if k.startswith(("sqrt", "rsqrt", "div.full", "div.rn", "rcp"))}
+    keep = {k: v for k, v in m.items()
+            if k.startswith(("sqrt", "rsqrt", "div.full", "div.rn", "rcp"))}
     return " ".join(f"{k}" for k in sorted(keep)) or "-"
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'call':<22}{'phase':<9}{'kernel':<24}{'dtype':<5}{'shape':<7}{'M':>8}{'N':>8} "
-            f"{'warps':>5}{'regs':>5}{'spill':>6}{'smem':>7}{'CTA/SM':>7} {'limit':<10}{'grid':>7}"
+    head = (f"{'call':<22}{'phase':<9}{'kernel':<24}{'dtype':<5}{'shape':<7}"
+            f"{'M':>8}{'N':>8} "
+            f"{'warps':>5}{'regs':>5}{'spill':>6}{'smem':>7}{'CTA/SM':>7} "
+            f"{'limit':<10}{'grid':>7}"
             f"{'waves':>7}{'inflight':>9}{'need':>7}{'pred':>6}  loads(bits)  math")
     out = [head, "-" * len(head)]
     for r in rows:
         if "error" in r:
-            out.append(f"{r['call']:<22}{r['phase']:<9}{r['kernel']:<24}{r['dtype']:<5}{r['shape']:<7}"
-                       f"{r['M']:>8}{r['N']:>8}  COMPILE ERROR: {r['error']}")
+            out.append(f"{r['call']:<22}{r['phase']:<9}{r['kernel']:<24}{r['dtype']:<5}"
+                       f"{r['shape']:<7}{r['M']:>8}{r['N']:>8}  "
+                       f"COMPILE ERROR: {r['error']}")
             continue
         out.append(
-            f"{r['call']:<22}{r['phase']:<9}{r['kernel']:<24}{r['dtype']:<5}{r['shape']:<7}{r['M']:>8}{r['N']:>8} "
-            f"{r['num_warps']:>5}{r['registers']:>5}{r['spill_stores']:>6}{r['smem']:>7}{r['ctas_per_sm']:>7} "
-            f"{r['occupancy_limit']:<10}{r['grid']:>7}{r['waves']:>7.2f}{r['in_flight_per_sm'] / 1024:>8.1f}K"
+            f"{r['call']:<22}{r['phase']:<9}{r['kernel']:<24}{r['dtype']:<5}"
+            f"{r['shape']:<7}{r['M']:>8}{r['N']:>8} "
+            f"{r['num_warps']:>5}{r['registers']:>5}{r['spill_stores']:>6}"
+            f"{r['smem']:>7}"
+            f"{r['ctas_per_sm']:>7} "
+            f"{r['occupancy_limit']:<10}{r['grid']:>7}{r['waves']:>7.2f}"
+            f"{r['in_flight_per_sm'] / 1024:>8.1f}K"
             f"{r['littles_per_sm'] / 1024:>6.1f}K{r['predicted']:>6.2f}  "
             f"{_widths(r['loads'], r['row_args'])}  {_math(r['math'])}")
     return "\n".join(out)
 
 
 COLUMNS = {  # column title: how to read it from a row (for markdown_table)
-    "kernel": lambda r: r["kernel"], "phase": lambda r: r["phase"], "M": lambda r: r["M"], "N": lambda r: r["N"],
+    "kernel": lambda r: r["kernel"], "phase": lambda r: r["phase"],
+    "M": lambda r: r["M"], "N": lambda r: r["N"],
     "warps": lambda r: r["num_warps"], "regs": lambda r: r["registers"],
-    "spill B": lambda r: r["spill_stores"] + r["spill_loads"], "CTA/SM": lambda r: r["ctas_per_sm"],
-    "limit": lambda r: r["occupancy_limit"], "grid": lambda r: r["grid"], "waves": lambda r: f"{r['waves']:.2f}",
+    "spill B": lambda r: r["spill_stores"] + r["spill_loads"],
+    "CTA/SM": lambda r: r["ctas_per_sm"],
+    "limit": lambda r: r["occupancy_limit"], "grid": lambda r: r["grid"],
+    "waves": lambda r: f"{r['waves']:.2f}",
     "in flight KiB": lambda r: f"{r['in_flight_per_sm'] / 1024:.1f}",
     "needed KiB": lambda r: f"{r['littles_per_sm'] / 1024:.1f}",
     "predicted": lambda r: f"{r['predicted']:.2f}",
-    "row loads": lambda r: _widths(r["loads"], r["row_args"]), "sqrt/div": lambda r: _math(r["math"]),
+    "row loads": lambda r: _widths(r["loads"], r["row_args"]),
+    "sqrt/div": lambda r: _math(r["math"]),
 }
 
 
@@ -766,21 +884,25 @@ def markdown_table(rows: list[dict], columns=tuple(COLUMNS)) -> str:
         if "error" in r:
             out.append(f"| {r['kernel']} | compile error: {r['error']} |")
             continue
-        out.append("| " + " | ".join(str(COLUMNS[c](r)).replace("|", "/") for c in columns) + " |")
+        out.append("| " + " | ".join(str(COLUMNS[c](r)).replace("|", "/")
+                                     for c in columns) + " |")
     return "\n".join(out)
 
 
-_SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
+_SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32",
+                "float64": "fp64"}
 
 
 def measured_vs_predicted(bench: dict, inspected: dict) -> dict:
-    """Per benchmark row of our kernels: the measured fraction of the copy bandwidth (the
-    benchmark's ``pct_of_copy`` / 100) beside the inspector's ``predicted`` for the same call,
-    phase, shape and dtype (the smallest over the phase's launches; each launch listed).
+    """Per benchmark row of our kernels: the measured fraction of the copy bandwidth
+    (the benchmark's ``pct_of_copy`` / 100) beside the inspector's ``predicted`` for the
+    same call, phase, shape and dtype (the smallest over the phase's launches; each
+    launch listed).
 
-    ``bench`` is a benchmark JSON (``python -m kernels.bench``), ``inspected`` the inspector's
-    JSON for the same GPU, ideally run with ``--bandwidth-gbps`` set to the measured copy
-    bandwidth so that both fractions have the same denominator (``meta.same_denominator``).
+    ``bench`` is a benchmark JSON (``python -m kernels.bench``), ``inspected`` the
+    inspector's JSON for the same GPU, ideally run with ``--bandwidth-gbps`` set to the
+    measured copy bandwidth so that both fractions have the same denominator
+    (``meta.same_denominator``).
     """
     prov = bench.get("provenance", {})
     dtype = _SHORT_DTYPE.get(prov.get("dtype", ""), prov.get("dtype"))
@@ -849,7 +971,8 @@ def measured_vs_predicted(bench: dict, inspected: dict) -> dict:
             "latency_ns": meta.get("latency_ns"),
             "inspector_triton": meta.get("triton"),
             "same_denominator": same,
-            "note": "measured: GB/s over the measured copy GB/s; predicted: the inspector's "
+            "note": "measured: GB/s over the measured copy GB/s; predicted: the "
+            "inspector's "
             "model (Little's law and waves), not a measurement",
         },
         "rows": rows,
@@ -861,11 +984,14 @@ def comparison_markdown(table: dict) -> str:
     m = table["meta"]
     copy = f"{m['copy_GB/s']:.0f} GB/s" if m.get("copy_GB/s") else "unknown"
     head = [
-        f"Measured on {m['gpu']} ({m['date']}; torch {m['torch']}, triton {m['triton']}, "
-        f"CUDA {m['cuda']}; {m['dtype']}; copy {copy}) against the inspector's prediction "
+        f"Measured on {m['gpu']} ({m['date']}; torch {m['torch']}, triton "
+        f"{m['triton']}, "
+        f"CUDA {m['cuda']}; {m['dtype']}; copy {copy}) against the inspector's "
+        "prediction "
         f"(triton {m['inspector_triton']}, {m['latency_ns']} ns assumed latency).",
         "",
-        "| case | M | N | ms | measured % of copy | predicted % | measured / predicted | launches |",
+        "| case | M | N | ms | measured % of copy | predicted % | measured / predicted "
+        "| launches |",
         "|---|---|---|---|---|---|---|---|",
     ]
 
@@ -883,37 +1009,48 @@ def comparison_markdown(table: dict) -> str:
             else f"{r['measured / predicted']:.2f}"
         )
         head.append(
-            f"| {r['case']} | {r['M']} | {r['N']} | {r['ms']:.4f} | {pct(r['measured'])} | "
+            f"| {r['case']} | {r['M']} | {r['N']} | {r['ms']:.4f} | "
+            f"{pct(r['measured'])} | "
             f"{pct(r['predicted'])} | {ratio} | {each} |"
         )
     return "\n".join(head)
 
 
 def ptx_excerpt(ptx: str, max_lines: int = 14) -> str:
-    """The lines of a kernel's PTX that the chapter reads: global loads and stores, the square
-    root / division / reciprocal instructions, and the branches that close loops."""
+    """The lines of a kernel's PTX that the chapter reads: global loads and stores, the
+    square root / division / reciprocal instructions, and the branches that close
+    loops."""
     keep = re.compile(r"\b(ld|st)\.global|\b(sqrt|rsqrt|div|rcp)\.|\bbra\b|^\$L__BB")
     lines = [line.strip() for line in ptx.splitlines() if keep.search(line.strip())]
     return "\n".join(lines[:max_lines])
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kernels.inspect", description=__doc__.split("\n\n")[0])
-    p.add_argument("--arch", default="90", help="90 (H100/H200), 80 (A100), 75 (T4); comma-separated for several")
-    p.add_argument("--json", metavar="FILE", help="write the table (with provenance) as JSON to FILE")
+    p = argparse.ArgumentParser(prog="python -m kernels.inspect",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", default="90",
+                   help="90 (H100/H200), 80 (A100), 75 (T4); comma-separated for "
+                   "several")
+    p.add_argument("--json", metavar="FILE",
+                   help="write the table (with provenance) as JSON to FILE")
     p.add_argument("--dtypes", default=",".join(DTYPES))
     p.add_argument("--shapes", default="all", choices=["all", "bench", "decode"])
-    p.add_argument("--calls", default="", help="comma-separated subset, e.g. rms_norm,layer_norm")
+    p.add_argument("--calls", default="",
+                   help="comma-separated subset, e.g. rms_norm,layer_norm")
     p.add_argument("--latency-ns", type=float, default=LATENCY_NS)
-    p.add_argument("--jobs", type=int, default=None, help="child processes at once (default: the CPU count)")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="child processes at once (default: the CPU count)")
     p.add_argument("--call-shapes", default="",
-                   help="per call, its own shapes: 'rms_norm=plan:1024:131072,plan:1:4096;softmax=...' "
+                   help="per call, its own shapes: "
+                   "'rms_norm=plan:1024:131072,plan:1:4096;softmax=...' "
                         "(instead of --calls × --shapes)")
-    p.add_argument("--bandwidth-gbps", type=float, help="a measured copy bandwidth in place of the datasheet's")
+    p.add_argument("--bandwidth-gbps", type=float,
+                   help="a measured copy bandwidth in place of the datasheet's")
     p.add_argument("--sms", type=int, help="the SM count of the GPU measured")
     p.add_argument("--gpu-name", help="the name of the GPU measured")
     p.add_argument("--timeout-s", type=float,
-                   help="after this many seconds, keep what finished (the GPU day's budget)")
+                   help="after this many seconds, keep what finished (the GPU day's "
+                   "budget)")
     a = p.parse_args(argv)
     archs = [int(s) for s in a.arch.split(",")]
     for arch in archs:
@@ -923,30 +1060,40 @@ def main(argv: list[str] | None = None) -> int:
     call_shapes = {}
     for part in filter(None, a.call_shapes.split(";")):
         call, _, spec = part.partition("=")
-        call_shapes[call] = [(s.split(":")[0], int(s.split(":")[1]), int(s.split(":")[2]))
+        call_shapes[call] = [(s.split(":")[0], int(s.split(":")[1]),
+                              int(s.split(":")[2]))
                              for s in spec.split(",")]
     gpu_args = []
-    for flag, value in (("--bandwidth-gbps", a.bandwidth_gbps), ("--sms", a.sms), ("--gpu-name", a.gpu_name)):
+    for flag, value in (("--bandwidth-gbps", a.bandwidth_gbps), ("--sms", a.sms),
+                        ("--gpu-name", a.gpu_name)):
         if value:
             gpu_args += [flag, str(value)]
     for arch in archs:
         GPUS[arch] = measured_gpu(GPUS[arch], a.bandwidth_gbps, a.sms, a.gpu_name)
-    result = run_inspector(archs, a.dtypes.split(","), a.shapes, [c for c in a.calls.split(",") if c],
-                           a.latency_ns, jobs=a.jobs, call_shapes=call_shapes or None, gpu_args=gpu_args,
-                           **({"timeout": a.timeout_s, "partial": True} if a.timeout_s else {}))
+    result = run_inspector(archs, a.dtypes.split(","), a.shapes,
+                           [c for c in a.calls.split(",") if c],
+                           a.latency_ns, jobs=a.jobs, call_shapes=call_shapes or None,
+                           gpu_args=gpu_args,
+                           **({"timeout": a.timeout_s, "partial": True} if a.timeout_s
+                              else {}))
     rows = result["rows"]
     meta = result["meta"]
     for arch in archs:
         gpu = GPUS[arch]
-        print(f"sm_{arch}: {gpu.name}, {gpu.bandwidth / 1e12:.3g} TB/s; Little's law at {a.latency_ns:.0f} ns "
-              f"(assumed, see kernels.inspect.LATENCY_NS): {littles_law_bytes(gpu, a.latency_ns) / 1024:.1f} KiB "
-              f"in flight per SM. triton {meta.get('triton')}, torch {meta.get('torch')}.")
-        print("'inflight': bytes of row loads a SM has in flight (model); 'pred': predicted fraction of "
+        print(f"sm_{arch}: {gpu.name}, {gpu.bandwidth / 1e12:.3g} TB/s; Little's law "
+              f"at {a.latency_ns:.0f} ns "
+              f"(assumed, see kernels.inspect.LATENCY_NS): "
+              f"{littles_law_bytes(gpu, a.latency_ns) / 1024:.1f} KiB "
+              f"in flight per SM. triton {meta.get('triton')}, torch "
+              f"{meta.get('torch')}.")
+        print("'inflight': bytes of row loads a SM has in flight (model); 'pred': "
+              "predicted fraction of "
               "bandwidth (a model, not a measurement)")
         print(format_table([r for r in rows if r["arch"] == arch]))
     spills = [r for r in rows if r.get("spill_stores", 0) or r.get("spill_loads", 0)]
     errors = [r for r in rows if "error" in r]
-    print(f"{len(rows)} launches, {len({r['variant'] for r in rows})} variants, {len(spills)} spilling, "
+    print(f"{len(rows)} launches, {len({r['variant'] for r in rows})} variants, "
+          f"{len(spills)} spilling, "
           f"{len(errors)} failing to compile ({time.perf_counter() - t0:.0f} s)")
     if a.json:
         pathlib.Path(a.json).write_text(json.dumps(result, indent=1))

@@ -1,6 +1,8 @@
-"""Helpers for the book's chapters: set-up, showing kernel source, and gluing numbers into prose.
+"""Helpers for the book's chapters: set-up, showing kernel source, and gluing numbers
+into prose.
 
-Kept out of the kernels themselves; a chapter calls :func:`setup` in its first (hidden) cell.
+Kept out of the kernels themselves; a chapter calls :func:`setup` in its first (hidden)
+cell.
 """
 
 from __future__ import annotations
@@ -13,39 +15,46 @@ from ._runtime import DEVICE, INTERPRET, default_dtype, device_name
 
 
 def setup(seed: int = 0):
-    """Seed every generator and return ``(device, dtype)`` for this chapter, printing one line
-    that says where the kernels run."""
+    """Seed every generator and return ``(device, dtype)`` for this chapter, printing
+    one line that says where the kernels run."""
     import warnings
 
     import numpy as np
 
-    # transformers imports tqdm, which warns (on stderr) that Jupyter widgets are missing: harmless here.
+    # transformers imports tqdm, which warns (on stderr) that Jupyter widgets are
+    # missing: harmless here.
     warnings.filterwarnings("ignore", message="IProgress not found")
     torch.manual_seed(seed)
     np.random.seed(seed)
     _sharp_figures()
     dtype = default_dtype()
-    where = "the CPU, in Triton's interpreter" if INTERPRET else f"{device_name()} (CUDA)"
-    print(f"Kernels run on {where}; low-precision dtype: {str(dtype).replace('torch.', '')}")
+    where = ("the CPU, in Triton's interpreter" if INTERPRET
+             else f"{device_name()} (CUDA)")
+    print(f"Kernels run on {where}; low-precision dtype: "
+          f"{str(dtype).replace('torch.', '')}")
     return DEVICE, dtype
 
 
 def _sharp_figures() -> None:
     """Figures as SVG with real text: sharp at any zoom, and legible on a phone.
 
-    The text column is about 358 CSS px wide on a 390 px phone; a figure of width W points is shown
-    at 358/W of its size there, so a 12 pt label in a 6.4 in (461 pt) figure is about 9.3 px tall
-    (tests/test_pages.py asks for 9). Hence: every text at least ``font.size`` (titles and legends
-    too), figures at most 6.4 in wide, several panels stacked one per row.
-    Text stays text (``svg.fonttype = "none"``), which the page tests can measure.
+    The text column is about 358 CSS px wide on a 390 px phone; a figure of width W
+    points is shown at 358/W of its size there, so a 12 pt label in a 6.4 in (461 pt)
+    figure is about 9.3 px tall (tests/test_pages.py asks for 9). Hence: every text at
+    least ``font.size`` (titles and legends too), figures at most 6.4 in wide, several
+    panels stacked one per row. Text stays text (``svg.fonttype = "none"``), which the
+    page tests can measure.
     """
     try:
         import matplotlib
-        import matplotlib.pyplot as plt  # noqa: F401  (activates the inline backend first)
+        # noqa: F401  (activates the inline backend first)
+        import matplotlib.pyplot as plt
     except ImportError:  # the set-up cell has already said how to install it
         return
-    matplotlib.rcParams.update({"svg.fonttype": "none", "font.size": 12, "figure.figsize": (6.0, 4.0),
-                                "axes.titlesize": "medium", "figure.titlesize": "medium"})
+    matplotlib.rcParams.update({"svg.fonttype": "none", "font.size": 12,
+                                "figure.figsize": (6.0, 4.0),
+                                "axes.titlesize": "medium",
+                                "figure.titlesize": "medium"})
     try:
         from IPython import get_ipython
 
@@ -61,7 +70,8 @@ def show_source(obj) -> None:
     """Display an object's source, read from ``kernels/`` at run time, never pasted."""
     from IPython.display import Markdown, display
 
-    while hasattr(obj, "fn") and not inspect.isfunction(obj):  # a @triton.jit kernel wraps its function
+    # a @triton.jit kernel wraps its function
+    while hasattr(obj, "fn") and not inspect.isfunction(obj):
         obj = obj.fn
     display(Markdown("```python\n" + inspect.getsource(obj).rstrip() + "\n```"))
 
@@ -69,11 +79,13 @@ def show_source(obj) -> None:
 def glue(name: str, value, display: bool = True) -> None:
     """``myst_nb.glue`` when building the book; plain display elsewhere (e.g. in Colab).
 
-    numpy and torch scalars are stored as Python numbers, so that ``{glue:text}`key:.4f``` formats them.
+    numpy and torch scalars are stored as Python numbers, so that
+    ``{glue:text}`key:.4f``` formats them.
     """
     import numpy as np
 
-    if isinstance(value, np.generic) or (isinstance(value, torch.Tensor) and value.numel() == 1):
+    if isinstance(value, np.generic) or (isinstance(value, torch.Tensor)
+                                         and value.numel() == 1):
         value = value.item()
     try:
         from myst_nb import glue as _glue
@@ -89,10 +101,11 @@ def glue(name: str, value, display: bool = True) -> None:
 class InteractiveFigure:
     """A plotly figure that works in the built book, in Jupyter and in Colab.
 
-    It displays as one HTML output: a ``<div>`` and a script that draws the figure with the page's
-    ``Plotly``. The book serves ``plotly.min.js`` from its own ``_static`` (``_ext/book_pages.py``
-    loads it on pages with such a figure), so the page needs no network. Where no ``Plotly`` is
-    loaded (Jupyter, Colab), the script loads the plotly.js version of the installed plotly package.
+    It displays as one HTML output: a ``<div>`` and a script that draws the figure with
+    the page's ``Plotly``. The book serves ``plotly.min.js`` from its own ``_static``
+    (``_ext/book_pages.py`` loads it on pages with such a figure), so the page needs no
+    network. Where no ``Plotly`` is loaded (Jupyter, Colab), the script loads the
+    plotly.js version of the installed plotly package.
     """
 
     def __init__(self, fig, height: int = 440):
@@ -106,12 +119,12 @@ class InteractiveFigure:
         from plotly.offline import get_plotlyjs_version
 
         spec = self.fig.to_json()
-        div = "fig-" + hashlib.sha1(spec.encode()).hexdigest()[:12]  # stable across builds
+        # stable across builds
+        div = "fig-" + hashlib.sha1(spec.encode()).hexdigest()[:12]
         cdn = f"https://cdn.plot.ly/plotly-{get_plotlyjs_version()}.min.js"
         html = f"""<div class="book-interactive">
-<div id="{div}" class="plotly-graph-div" style="height:{self.height}px; width:100%;"></div>
-<script type="text/javascript">
-(function () {{
+<div id="{div}" class="plotly-graph-div" style="height:{self.height}px;
+width:100%;"></div> <script type="text/javascript"> (function () {{
   var spec = {spec};
   function draw() {{
     Plotly.newPlot("{div}", spec.data, spec.layout,
@@ -130,15 +143,19 @@ class InteractiveFigure:
 
 
 def interactive_figure(frames, *, slider: str, x_title: str, y_title: str, title: str,
-                       log_x: bool = False, log_y: bool = False, options: str | None = None,
+                       log_x: bool = False, log_y: bool = False,
+                       options: str | None = None,
                        active: int = 0, height: int = 600, hover: str | None = None):
-    """A figure with a slider over precomputed frames (and, optionally, a menu of options).
+    """A figure with a slider over precomputed frames (and, optionally, a menu of
+    options).
 
-    ``frames`` is a list of ``(label, traces)``; each trace is a dict with ``x``, ``y``, ``name``
-    and optionally ``option`` (the menu entry it belongs to), ``mode`` (``"lines"``,
-    ``"markers"``, …), ``text`` (per-point hover text) and ``dash``. Every frame has the same
-    traces in the same order: the slider swaps their data, the menu shows one option's traces.
-    The data are whatever the chapter computed; nothing here computes or types numbers.
+    ``frames`` is a list of ``(label, traces)``; each trace is a dict with ``x``, ``y``,
+    ``name`` and optionally ``option`` (the menu entry it belongs to), ``mode``
+    (``"lines"``, ``"markers"``, …), ``text`` (per-point hover text) and ``dash``. Every
+    frame has the same
+    traces in the same order: the slider swaps their data, the menu shows one option's
+    traces. The data are whatever the chapter computed; nothing here computes or types
+    numbers.
     """
     import textwrap
 
@@ -146,7 +163,8 @@ def interactive_figure(frames, *, slider: str, x_title: str, y_title: str, title
 
     labels = [label for label, _ in frames]
     first = frames[active][1]
-    opts = list(dict.fromkeys(t.get("option") for t in first if t.get("option") is not None))
+    opts = list(dict.fromkeys(t.get("option") for t in first
+                              if t.get("option") is not None))
     fig = go.Figure()
     for t in first:
         visible = t.get("option") in (None, opts[0] if opts else None)
@@ -163,8 +181,9 @@ def interactive_figure(frames, *, slider: str, x_title: str, y_title: str, title
               "args": [{"x": column("x", traces), "y": column("y", traces),
                         "text": column("text", traces)}]}
              for label, traces in frames]
-    # Laid out in pixels so that it reads at 390 px as at 1366 px: the title on the first line,
-    # the menu under it, the plot, and under the x axis the slider, then the legend.
+    # Laid out in pixels so that it reads at 390 px as at 1366 px: the title on the
+    # first line, the menu under it, the plot, and under the x axis the slider, then the
+    # legend.
     top, bottom = 84, 230
     plot_h = height - top - bottom
     layout = dict(
@@ -181,7 +200,8 @@ def interactive_figure(frames, *, slider: str, x_title: str, y_title: str, title
         showlegend=True,
         legend={"orientation": "h", "x": 0, "xanchor": "left", "y": -(72 + 92) / plot_h,
                 "yanchor": "top"},
-        sliders=[{"active": active, "steps": steps, "x": 0, "len": 1.0, "y": -72 / plot_h,
+        sliders=[{"active": active, "steps": steps, "x": 0, "len": 1.0,
+                  "y": -72 / plot_h,
                   "yanchor": "top", "pad": {"t": 0, "b": 0},
                   "currentvalue": {"prefix": f"{slider}: "}}])
     if opts:
@@ -189,7 +209,8 @@ def interactive_figure(frames, *, slider: str, x_title: str, y_title: str, title
             "type": "dropdown", "x": 1.0, "xanchor": "right", "y": 1 + 6 / plot_h,
             "yanchor": "bottom", "bgcolor": "#ffffff",
             "buttons": [{"label": str(o), "method": "restyle",
-                         "args": [{"visible": [t.get("option") in (None, o) for t in first]}]}
+                         "args": [{"visible": [t.get("option") in (None,
+                                                                   o) for t in first]}]}
                         for o in opts]}]
     fig.update_layout(**layout)
     return InteractiveFigure(fig, height=height)

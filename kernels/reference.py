@@ -1,8 +1,8 @@
 r"""The book's formulas in plain float64 PyTorch: the oracle for every test and chapter.
 
-Each function reads like the equation it implements and does nothing clever: it upcasts its
-inputs to float64, computes the formula along the last dimension, and returns float64.
-Kernels are checked against these functions, never the other way round.
+Each function reads like the equation it implements and does nothing clever: it upcasts
+its inputs to float64, computes the formula along the last dimension, and returns
+float64. Kernels are checked against these functions, never the other way round.
 
 Notation (as in the book): a row :math:`x \in \mathbb{R}^n`, weight :math:`\gamma`, bias
 :math:`\beta`, and
@@ -51,7 +51,8 @@ def variance_one_pass(x):
 
 
 def welford(x):
-    r"""Welford's online update over a 1-D sequence; returns (count, mean, M2), σ² = M2 / count.
+    r"""Welford's online update over a 1-D sequence; returns (count, mean, M2), σ² = M2
+    / count.
 
     n ← n + 1;  δ = x − μ;  μ ← μ + δ/n;  M2 ← M2 + δ (x − μ).
     """
@@ -65,9 +66,11 @@ def welford(x):
 
 
 def chan_merge(a, b):
-    r"""Chan et al.'s merge of two (count, mean, M2) summaries into the summary of their union.
+    r"""Chan et al.'s merge of two (count, mean, M2) summaries into the summary of their
+    union.
 
-    n = n_a + n_b;  δ = μ_b − μ_a;  μ = μ_a + δ n_b / n;  M2 = M2_a + M2_b + δ² n_a n_b / n.
+    n = n_a + n_b;  δ = μ_b − μ_a;  μ = μ_a + δ n_b / n;  M2 = M2_a + M2_b + δ² n_a n_b
+    / n.
     """
     na, mua, m2a = a
     nb, mub, m2b = b
@@ -81,7 +84,8 @@ def chan_merge(a, b):
 # ---------------------------------------------------------------- the normalizations
 
 def rms_norm(x, weight=None, eps=1e-6, offset=0.0):
-    r"""y_i = (offset + γ_i) x_i / sqrt((1/n) Σ_k x_k² + ε)   (offset 1 for Gemma's γ around 0)."""
+    r"""y_i = (offset + γ_i) x_i / sqrt((1/n) Σ_k x_k² + ε)   (offset 1 for Gemma's γ
+    around 0)."""
     x = _d(x)
     y = x / rms(x, eps)
     return y if weight is None else y * (offset + _d(weight))
@@ -90,12 +94,14 @@ def rms_norm(x, weight=None, eps=1e-6, offset=0.0):
 def rms_norm_rounded(x, weight=None, eps=1e-6, offset=0.0, casting_mode="llama"):
     r"""RMSNorm with the roundings of a casting convention written out, in float64.
 
-    Each ``ρ(·)`` rounds to x's storage dtype (``t.to(dtype).double()``); everything else is
-    exact float64, so the result is what the convention computes with perfect statistics:
+    Each ``ρ(·)`` rounds to x's storage dtype (``t.to(dtype).double()``); everything
+    else is exact float64, so the result is what the convention computes with perfect
+    statistics:
 
     - llama:  y = ρ(ρ(x/r) · (offset + γ))
     - gemma:  y = ρ(x/r · (offset + γ))
-    - none:   s = ρ(mean(ρ(x²))); rstd = ρ(1/sqrt(ρ(s + ε))); y = ρ(ρ(x · rstd) · ρ(offset + γ))
+    - none:   s = ρ(mean(ρ(x²))); rstd = ρ(1/sqrt(ρ(s + ε))); y = ρ(ρ(x · rstd) ·
+      ρ(offset + γ))
     """
     dtype = torch.as_tensor(x).dtype
 
@@ -113,7 +119,8 @@ def rms_norm_rounded(x, weight=None, eps=1e-6, offset=0.0, casting_mode="llama")
         return rho(y) if w is None else rho(rho(y) * w)
     if casting_mode == "gemma":
         return rho(y if w is None else y * w)
-    raise ValueError(f"casting_mode must be 'llama', 'gemma' or 'none', got {casting_mode!r}")
+    raise ValueError(f"casting_mode must be 'llama', 'gemma' or 'none', got "
+                     f"{casting_mode!r}")
 
 
 def layer_norm(x, weight=None, bias=None, eps=1e-5):
@@ -140,15 +147,19 @@ def softmax(z):
     return e / e.sum(dim=-1, keepdim=True)
 
 
-# ---------------------------------------------------------------- Jacobians and their products (one row)
+# ---------------------------------------------------------------- Jacobians and their
+# products (one row)
 
 def rms_norm_jacobian(x, weight=None, eps=1e-6):
-    r"""J_ij = ∂y_i/∂x_j = γ_i (δ_ij / r − x_i x_j / (n r³)) for a single row x of length n."""
+    r"""J_ij = ∂y_i/∂x_j = γ_i (δ_ij / r − x_i x_j / (n r³)) for a single row x of
+    length n."""
     x = _d(x)
     n = x.shape[-1]
     r = rms(x, eps)[..., 0]
     g = torch.ones_like(x) if weight is None else _d(weight)
-    return g[:, None] * (torch.eye(n, dtype=f64, device=x.device) / r - torch.outer(x, x) / (n * r**3))
+    return g[:, None] * (torch.eye(n, dtype=f64,
+                                   device=x.device) / r - torch.outer(x,
+                                                                      x) / (n * r**3))
 
 
 def rms_norm_vjp(x, dy, weight=None, eps=1e-6):
@@ -168,13 +179,16 @@ def rms_norm_vjp(x, dy, weight=None, eps=1e-6):
 
 
 def layer_norm_jacobian(x, weight=None, eps=1e-5):
-    r"""J = diag(γ) · (I − 11ᵀ/n − x̂ x̂ᵀ/n) / sqrt(σ² + ε), x̂ = (x − μ)/sqrt(σ² + ε); one row."""
+    r"""J = diag(γ) · (I − 11ᵀ/n − x̂ x̂ᵀ/n) / sqrt(σ² + ε), x̂ = (x − μ)/sqrt(σ² + ε);
+    one row."""
     x = _d(x)
     n = x.shape[-1]
     s = torch.sqrt(variance(x) + eps)[..., 0]
     xhat = (x - mean(x)) / s
     g = torch.ones_like(x) if weight is None else _d(weight)
-    inner = torch.eye(n, dtype=f64, device=x.device) - torch.ones(n, n, dtype=f64, device=x.device) / n - torch.outer(xhat, xhat) / n
+    ones = torch.ones(n, n, dtype=f64, device=x.device)
+    eye = torch.eye(n, dtype=f64, device=x.device)
+    inner = eye - ones / n - torch.outer(xhat, xhat) / n
     return g[:, None] * inner / s
 
 
@@ -189,7 +203,8 @@ def layer_norm_vjp(x, dy, weight=None, eps=1e-5):
     s = torch.sqrt(variance(x) + eps)
     xhat = (x - mean(x)) / s
     g = dy if weight is None else _d(weight) * dy
-    dx = (g - g.mean(dim=-1, keepdim=True) - xhat * (g * xhat).mean(dim=-1, keepdim=True)) / s
+    dx = (g - g.mean(dim=-1, keepdim=True) - xhat * (g * xhat).mean(dim=-1,
+                                                                    keepdim=True)) / s
     dw = None if weight is None else (dy * xhat).reshape(-1, n).sum(dim=0)
     db = dy.reshape(-1, n).sum(dim=0)
     return dx, dw, db
@@ -201,13 +216,16 @@ def softmax_jacobian(z):
     return torch.diag(p) - torch.outer(p, p)
 
 
-# ---------------------------------------------------------------- RoPE and Qwen3's QK-Norm
+# ---------------------------------------------------------------- RoPE and Qwen3's
+# QK-Norm
 
 def rope_cos_sin(positions, head_dim, base=10000.0):
-    r"""cos and sin of θ_{m,i} = m · base^(−2i/d), i < d/2, each repeated so that dimension i and
-    i + d/2 share an angle (the ``rotate_half`` layout). Shapes: positions (..., ) → (..., d)."""
+    r"""cos and sin of θ_{m,i} = m · base^(−2i/d), i < d/2, each repeated so that
+    dimension i and i + d/2 share an angle (the ``rotate_half`` layout). Shapes:
+    positions (..., ) → (..., d)."""
     pos = _d(positions)
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=f64, device=pos.device) / head_dim)
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=f64,
+                                      device=pos.device) / head_dim)
     angles = pos[..., None] * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
     return torch.cos(angles), torch.sin(angles)
@@ -221,22 +239,26 @@ def rotate_half(x):
 
 
 def apply_rope(x, cos, sin):
-    r"""RoPE: x ⊙ cos + rotate_half(x) ⊙ sin, for x (batch, seq, heads, d), cos/sin (batch, seq, d)."""
+    r"""RoPE: x ⊙ cos + rotate_half(x) ⊙ sin, for x (batch, seq, heads, d), cos/sin
+    (batch, seq, d)."""
     x = _d(x)
     cos, sin = _d(cos)[..., None, :], _d(sin)[..., None, :]
     return x * cos + rotate_half(x) * sin
 
 
 def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=1e-6):
-    r"""Qwen3's attention input path: per-head RMSNorm over head_dim, then RoPE. Returns (q, k)."""
+    r"""Qwen3's attention input path: per-head RMSNorm over head_dim, then RoPE. Returns
+    (q, k)."""
     return (apply_rope(rms_norm(q, q_weight, eps), cos, sin),
             apply_rope(rms_norm(k, k_weight, eps), cos, sin))
 
 
-# ---------------------------------------------------------------- softmax, log-sum-exp, cross-entropy
+# ---------------------------------------------------------------- softmax, log-sum-exp,
+# cross-entropy
 
 def logsumexp(z):
-    r"""lse(z) = m + log Σ_k exp(z_k − m),  m = max z  (keepdim, along the last dimension)."""
+    r"""lse(z) = m + log Σ_k exp(z_k − m),  m = max z  (keepdim, along the last
+    dimension)."""
     z = _d(z)
     m = z.max(dim=-1, keepdim=True).values
     return m + torch.log(torch.exp(z - m).sum(dim=-1, keepdim=True))
@@ -249,15 +271,17 @@ def log_softmax(z):
 
 
 def softmax_vjp(z, dy):
-    r"""Row-wise VJP of softmax: dx = p ⊙ (dy − Σ_k p_k dy_k), i.e. (diag(p) − p pᵀ) dy."""
+    r"""Row-wise VJP of softmax: dx = p ⊙ (dy − Σ_k p_k dy_k), i.e. (diag(p) − p pᵀ)
+    dy."""
     p, dy = softmax(z), _d(dy)
     return p * (dy - (p * dy).sum(dim=-1, keepdim=True))
 
 
 def cross_entropy(logits, target, ignore_index=-100, reduction="mean"):
-    r"""ℓ_r = lse(x_r) − x_{r, t_r} for rows with t_r ≠ ignore_index (0 for the others), reduced
-    by "none", "sum" or "mean" (the sum over the kept rows divided by their number: 0/0 = NaN
-    when every row is ignored). logits (M, V) or (V,), target (M,) or ()."""
+    r"""ℓ_r = lse(x_r) − x_{r, t_r} for rows with t_r ≠ ignore_index (0 for the others),
+    reduced by "none", "sum" or "mean" (the sum over the kept rows divided by their
+    number: 0/0 = NaN when every row is ignored). logits (M, V) or (V,), target (M,) or
+    ()."""
     x = _d(logits)
     x = x.reshape(-1, x.shape[-1])
     t = torch.as_tensor(target).reshape(-1).to(torch.int64)
@@ -272,8 +296,9 @@ def cross_entropy(logits, target, ignore_index=-100, reduction="mean"):
 
 
 def cross_entropy_grad(logits, target, ignore_index=-100, reduction="mean"):
-    r"""∂(reduced loss)/∂x = (softmax(x) − e_t) per kept row (÷ the number of kept rows for
-    "mean"), 0 for ignored rows; for "none" the gradient of the sum of the per-row losses."""
+    r"""∂(reduced loss)/∂x = (softmax(x) − e_t) per kept row (÷ the number of kept rows
+    for "mean"), 0 for ignored rows; for "none" the gradient of the sum of the per-row
+    losses."""
     x = _d(logits)
     x = x.reshape(-1, x.shape[-1])
     t = torch.as_tensor(target).reshape(-1).to(torch.int64)
@@ -284,7 +309,8 @@ def cross_entropy_grad(logits, target, ignore_index=-100, reduction="mean"):
     if reduction == "mean":
         g = g / keep.sum().to(f64)
     return g.reshape(_d(logits).shape)
-# ---------------------------------------------------------------- online softmax and attention
+# ---------------------------------------------------------------- online softmax and
+# attention
 
 def online_softmax_state(z):
     r"""The online-softmax summary of a row part: (m, ℓ) = (max z, Σ exp(z − m)).
@@ -313,8 +339,9 @@ def online_softmax_merge(a, b):
 def attention_mask(seq_q, seq_k, causal=False, window=None, device=None):
     r"""Boolean (seq_q, seq_k) mask, True where query i may see key j.
 
-    causal True / "bottom_right": j ≤ i + seq_k − seq_q; "top_left": j ≤ i;
-    window W (with causal): also j > i + offset − W, i.e. at most W keys, the query's own last."""
+    causal True / "bottom_right": j ≤ i + seq_k − seq_q; "top_left": j ≤ i; window W
+    (with causal): also j > i + offset − W, i.e. at most W keys, the query's own
+    last."""
     i = torch.arange(seq_q, device=device)[:, None]
     j = torch.arange(seq_k, device=device)[None, :]
     keep = torch.ones(seq_q, seq_k, dtype=torch.bool, device=device)
@@ -327,10 +354,11 @@ def attention_mask(seq_q, seq_k, causal=False, window=None, device=None):
 
 
 def attention(q, k, v, causal=False, scale=None, window=None):
-    r"""O = softmax(scale · Q Kᵀ + mask) V in float64, for (batch, heads, seq, head_dim) inputs.
+    r"""O = softmax(scale · Q Kᵀ + mask) V in float64, for (batch, heads, seq, head_dim)
+    inputs.
 
-    k and v may have fewer heads (grouped-query attention: q head h uses k/v head
-    h // (heads / kv_heads)). The mask adds −∞ where a key is hidden; a row that sees no key
+    k and v may have fewer heads (grouped-query attention: q head h uses k/v head h //
+    (heads / kv_heads)). The mask adds −∞ where a key is hidden; a row that sees no key
     (every score −∞) is defined as 0, the empty sum, instead of softmax's 0/0 = NaN."""
     q, k, v = _d(q), _d(k), _d(v)
     group = q.shape[-3] // k.shape[-3]
@@ -341,7 +369,8 @@ def attention(q, k, v, causal=False, scale=None, window=None):
     keep = attention_mask(q.shape[-2], k.shape[-2], causal, window, device=s.device)
     s = s.masked_fill(~keep, float("-inf"))
     m = s.amax(dim=-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # fully masked row: shift by 0
+    # fully masked row: shift by 0
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     e = torch.exp(s - m)  # exp(−∞) = 0 at every hidden key
     l = e.sum(dim=-1, keepdim=True)
     return (e @ v) / torch.where(l > 0, l, torch.ones_like(l))
@@ -399,15 +428,17 @@ def attention_backward(q, k, v, do, causal=False, scale=None, window=None):
 # ---------------------------------------------------------------- sampling
 
 def sampling_probs(logits, temperature=1.0, top_k=None, top_p=None, min_p=None):
-    r"""The exact distribution ``kernels.sample`` draws from, in float64, one row per last dim.
+    r"""The exact distribution ``kernels.sample`` draws from, in float64, one row per
+    last dim.
 
-    z = (x − max x)/T and p ∝ e^z, restricted in Hugging Face's order to the tokens kept by
-    top-k (z_i ≥ the k-th largest z; ties kept), then top-p over the renormalized top-k set
-    (keep i iff Σ_{j kept: z_j > z_i} p_j < (1 − TOP_P_SLACK)·top_p; ties kept together), then
-    min-p (p_i ≥ min_p · p_max ⇔ z_i ≥ ln min_p); renormalized. T = 0: all mass on the first
-    argmax. The slack (2⁻¹⁶, kernels.sampling.TOP_P_SLACK) counts a mass within rounding of
-    top_p as having reached it; without ties and outside that band, Hugging Face's
-    TopPLogitsWarper (cumulative sum ascending, drop where it is ≤ 1 − top_p) keeps the same set.
+    z = (x − max x)/T and p ∝ e^z, restricted in Hugging Face's order to the tokens kept
+    by top-k (z_i ≥ the k-th largest z; ties kept), then top-p over the renormalized
+    top-k set (keep i iff Σ_{j kept: z_j > z_i} p_j < (1 − TOP_P_SLACK)·top_p; ties kept
+    together), then min-p (p_i ≥ min_p · p_max ⇔ z_i ≥ ln min_p); renormalized. T = 0:
+    all mass on the first argmax. The slack (2⁻¹⁶, kernels.sampling.TOP_P_SLACK) counts
+    a mass within rounding of top_p as having reached it; without ties and outside that
+    band, Hugging Face's TopPLogitsWarper (cumulative sum ascending, drop where it is ≤
+    1 − top_p) keeps the same set.
     """
     from .sampling import TOP_P_SLACK
 
@@ -423,8 +454,10 @@ def sampling_probs(logits, temperature=1.0, top_k=None, top_p=None, min_p=None):
     if top_p is not None:
         e = torch.where(keep, torch.exp(z), 0.0)
         zs, order = torch.sort(z, dim=-1)  # ascending
-        tail = torch.flip(torch.cumsum(torch.flip(torch.gather(e, -1, order), [-1]), -1), [-1])
-        tail = torch.cat([tail, torch.zeros_like(tail[..., :1])], -1)  # tail[j] = Σ_{l ≥ j} e_(l)
+        tail = torch.flip(torch.cumsum(torch.flip(torch.gather(e, -1, order), [-1]),
+                                       -1), [-1])
+        # tail[j] = Σ_{l ≥ j} e_(l)
+        tail = torch.cat([tail, torch.zeros_like(tail[..., :1])], -1)
         first_above = torch.searchsorted(zs.contiguous(), z.contiguous(), right=True)
         mass_above = torch.gather(tail, -1, first_above)  # Σ e_j over z_j > z_i
         keep &= mass_above < (1 - TOP_P_SLACK) * top_p * e.sum(-1, keepdim=True)
@@ -434,7 +467,8 @@ def sampling_probs(logits, temperature=1.0, top_k=None, top_p=None, min_p=None):
     return p / p.sum(-1, keepdim=True)
 
 
-# ---------------------------------------------------------------- SwiGLU and the linear cross-entropy
+# ---------------------------------------------------------------- SwiGLU and the linear
+# cross-entropy
 
 def silu(x):
     r"""silu(x) = x σ(x) = x / (1 + e^{−x})."""
@@ -455,14 +489,17 @@ def swiglu_vjp(gate, up, dy):
 
 
 def linear_cross_entropy(hidden, weight, target, ignore_index=-100, reduction="mean"):
-    r"""cross_entropy(h Wᵀ, t): the loss of a linear head, the logits computed in float64."""
+    r"""cross_entropy(h Wᵀ, t): the loss of a linear head, the logits computed in
+    float64."""
     return cross_entropy(_d(hidden) @ _d(weight).T, target, ignore_index, reduction)
-# ---------------------------------------------------------------- decoding: KV cache, speculation
+# ---------------------------------------------------------------- decoding: KV cache,
+# speculation
 
 def cached_keys(cache, b, n, block_table=None):
-    r"""Row b's first n cached keys (or values) as (H_kv, n, D): a contiguous cache (B, H_kv,
-    S_max, D) is sliced; a paged one (num_blocks, H_kv, block_size, D) is gathered through
-    block_table[b]: key j lives in block block_table[b, j // block_size], slot j % block_size."""
+    r"""Row b's first n cached keys (or values) as (H_kv, n, D): a contiguous cache (B,
+    H_kv, S_max, D) is sliced; a paged one (num_blocks, H_kv, block_size, D) is gathered
+    through block_table[b]: key j lives in block block_table[b, j // block_size], slot j
+    % block_size."""
     if block_table is None:
         return _d(cache[b, :, :n])
     j = torch.arange(n)
@@ -473,10 +510,11 @@ def cached_keys(cache, b, n, block_table=None):
 
 def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, scale=None,
                      window=None):
-    r"""O[b] = softmax(scale · q[b] K_bᵀ + mask) V_b per row, in float64, where K_b, V_b are
-    row b's n_b = cache_seqlens[b] cached keys and values and the S_q queries are its last S_q
-    tokens: query i sees keys j ≤ n_b − S_q + i (bottom-right causal; with a window also
-    j > n_b − S_q + i − W). A query that sees no key gives 0, as :func:`attention`."""
+    r"""O[b] = softmax(scale · q[b] K_bᵀ + mask) V_b per row, in float64, where K_b, V_b
+    are row b's n_b = cache_seqlens[b] cached keys and values and the S_q queries are
+    its last S_q tokens: query i sees keys j ≤ n_b − S_q + i (bottom-right causal; with
+    a window also j > n_b − S_q + i − W). A query that sees no key gives 0, as
+    :func:`attention`."""
     q = _d(q).cpu()
     out = torch.zeros_like(q)
     for b, n in enumerate(torch.as_tensor(cache_seqlens).tolist()):
@@ -489,14 +527,14 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, scale
 
 
 def speculative_acceptance(p, q):
-    r"""α = Σ_x min(p(x), q(x)): the probability that a draft token x ~ q is accepted with
-    probability min(1, p(x)/q(x)) (along the last dimension)."""
+    r"""α = Σ_x min(p(x), q(x)): the probability that a draft token x ~ q is accepted
+    with probability min(1, p(x)/q(x)) (along the last dimension)."""
     return torch.minimum(_d(p), _d(q)).sum(-1)
 
 
 def speculative_residual(p, q):
-    r"""The distribution a rejected draft is replaced from: norm(max(0, p − q)). When p = q
-    there is no residual (rejection never happens); returned as p then."""
+    r"""The distribution a rejected draft is replaced from: norm(max(0, p − q)). When p
+    = q there is no residual (rejection never happens); returned as p then."""
     p, q = _d(p), _d(q)
     r = (p - q).clamp(min=0.0)
     total = r.sum(-1, keepdim=True)

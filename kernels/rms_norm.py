@@ -1,62 +1,67 @@
-r"""RMSNorm forward and backward as Triton kernels, differentiable through ``torch.autograd``.
+r"""RMSNorm forward and backward as Triton kernels, differentiable through
+``torch.autograd``.
 
 .. math:: y_i = \gamma_i \, \frac{x_i}{\sqrt{\tfrac1n \sum_k x_k^2 + \epsilon}}
 
-Forward: one program normalizes ``BLOCK_M`` rows. A row that fits in one block (``N`` up to
-8192 elements, :func:`kernels._config.rms_config`) is read from memory once and kept in
-registers; a wider row is reduced in a loop over blocks and read a second time to write the
-output. Tiles depend on N and the dtype only, never on the number of rows M, so a row's bits do
-not depend on its batch (batch invariance).
+Forward: one program normalizes ``BLOCK_M`` rows. A row that fits in one block (``N`` up
+to 8192 elements, :func:`kernels._config.rms_config`) is read from memory once and kept
+in registers; a wider row is reduced in a loop over blocks and read a second time to
+write the output. Tiles depend on N and the dtype only, never on the number of rows M,
+so a row's bits do not depend on its batch (batch invariance).
 
-Rows of 64K elements and more: we make the second read hit L2 rather than split a row over
-programs. The second sweep walks the row's blocks last to first, so that it starts with the
-blocks read most recently, the likeliest to be still in L2. Splitting a row over several
-programs with a two-kernel reduction would read the row twice from memory as well (the second
-kernel starts after the first has streamed every row through L2); reading it exactly once needs
-the programs of a row to share their sums on chip (thread-block clusters, sm_90 only), which
-Triton does not expose. At the benchmark's widest shape (256 rows of 262,144) the grid has 256
-programs of 16 warps for 132 SMs: every SM has work. Decode shapes (1-64 rows of 4096-8192)
-move at most 1 MiB, less than what a GPU streams during one kernel launch's latency (we expect
-such launches to be latency-bound: more programs cannot make them faster), so they keep one
-program per row tile.
+Rows of 64K elements and more: we make the second read hit L2 rather than split a row
+over programs. The second sweep walks the row's blocks last to first, so that it starts
+with the blocks read most recently, the likeliest to be still in L2. Splitting a row
+over several programs with a two-kernel reduction would read the row twice from memory
+as well (the second kernel starts after the first has streamed every row through L2);
+reading it exactly once needs the programs of a row to share their sums on chip
+(thread-block clusters, sm_90 only), which Triton does not expose. At the benchmark's
+widest shape (256 rows of 262,144) the grid has 256
+programs of 16 warps for 132 SMs: every SM has work. Decode shapes (1-64 rows of
+4096-8192) move at most 1 MiB, less than what a GPU streams during one kernel launch's
+latency (we expect such launches to be latency-bound: more programs cannot make them
+faster), so they keep one program per row tile.
 
-Backward (vector-Jacobian product, per row, with :math:`\hat x = x/r` and :math:`g = \gamma \odot dy`):
+Backward (vector-Jacobian product, per row, with :math:`\hat x = x/r` and :math:`g =
+\gamma \odot dy`):
 
-.. math:: dx = \frac{1}{r}\Bigl(g - \hat x \,\tfrac1n \textstyle\sum_k \hat x_k g_k\Bigr), \qquad
+.. math:: dx = \frac{1}{r}\Bigl(g - \hat x\,\tfrac1n \sum_k \hat x_k g_k\Bigr),
+          \qquad
           d\gamma = \textstyle\sum_\text{rows} dy \odot \hat x .
 
-dx is computed row by row like the forward; dγ is reduced over rows deterministically in two
-stages (see :mod:`kernels._reduce`): a fixed number G of programs each store one row of a
-(G, N) buffer of partial sums, once (no read-modify-write), and a small kernel adds the rows.
-G is chosen so that this buffer's traffic is at most 5 % of the bytes the backward moves anyway
-(:func:`backward_plan`). Rows up to 4096 elements are handled whole by one program, which keeps
-x, dy, γ and its dγ partial sums in registers. Wider rows take two steps: one program per row
-computes the correction :math:`c = \tfrac1n \sum_k \hat x_k g_k`, then program (p, j) writes dx
-for column block j of the row tiles p, p + G, ... with that block's dγ partial sums in
-registers. x and dy are read twice on that path, as they were by the single-program two-sweep
-loop it replaces; what goes is the per-row read-modify-write of the partial buffer.
+dx is computed row by row like the forward; dγ is reduced over rows deterministically in
+two stages (see :mod:`kernels._reduce`): a fixed number G of programs each store one row
+of a (G, N) buffer of partial sums, once (no read-modify-write), and a small kernel adds
+the rows. G is chosen so that this buffer's traffic is at most 5 % of the bytes the
+backward moves anyway (:func:`backward_plan`). Rows up to 4096 elements are handled
+whole by one program, which keeps x, dy, γ and its dγ partial sums in registers. Wider
+rows take two steps: one program per row computes the correction :math:`c = \tfrac1n
+\sum_k \hat x_k g_k`, then program (p, j) writes dx for column block j of the row tiles
+p, p + G, ... with that block's dγ partial sums in registers. x and dy are read twice on
+that path, as they were by the single-program two-sweep loop it replaces; what goes is
+the per-row read-modify-write of the partial buffer.
 
 Conventions (``casting_mode``, ``offset``; the names are Liger-Kernel's). The scale is
 :math:`\gamma' = \text{offset} + \gamma` (Gemma stores γ around 0 and uses offset 1):
 
-- ``"llama"`` (Llama, Qwen: ``Qwen3RMSNorm``): statistics and x̂ in fp32, x̂ rounded to the input
-  dtype, then multiplied by γ' (formed in fp32, the product rounded once);
+- ``"llama"`` (Llama, Qwen: ``Qwen3RMSNorm``): statistics and x̂ in fp32, x̂ rounded to
+  the input dtype, then multiplied by γ' (formed in fp32, the product rounded once);
 - ``"gemma"`` (``Gemma3RMSNorm``): x̂ · γ' entirely in fp32, one rounding at the end;
-- ``"none"``: every step rounded to the input dtype, as the naive PyTorch code
-  ``x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w`` computes it on a bf16/fp16
-  tensor (x² rounded, so fp16 squares overflow past 256; the mean, ε-sum, rsqrt, x·rstd and the
-  product each rounded). A cautionary mode the book measures; the sum itself is accumulated in
-  fp32, as torch's ``mean`` does.
+- ``"none"``: every step rounded to the input dtype, as the naive PyTorch code ``x *
+  torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w`` computes it on a bf16/fp16
+  tensor (x² rounded, so fp16 squares overflow past 256; the mean, ε-sum, rsqrt, x·rstd
+  and the product each rounded). A cautionary mode the book measures; the sum itself is
+  accumulated in fp32, as torch's ``mean`` does.
 
-The backward is the gradient of the formula for every convention, computed in fp32 from the
-saved 1/rms (for ``"none"`` that rstd is the rounded one the forward used).
+The backward is the gradient of the formula for every convention, computed in fp32 from
+the saved 1/rms (for ``"none"`` that rstd is the rounded one the forward used).
 
-The reciprocal square root is ``div_rn(1, sqrt_rn(v))``: IEEE square root and division, each
-correctly rounded. ``tl.rsqrt`` would lower to ``rsqrt.approx.f32``, the instruction behind
-torch's CUDA ``rsqrt`` (and so Hugging Face's norms on a GPU), but an approximation whose last
-bits the CPU interpreter cannot reproduce; the correctly rounded pair gives the same bits in
-the interpreter, on every GPU and in float64 references, and costs a few instructions per *row*
-of a memory-bound kernel.
+The reciprocal square root is ``div_rn(1, sqrt_rn(v))``: IEEE square root and division,
+each correctly rounded. ``tl.rsqrt`` would lower to ``rsqrt.approx.f32``, the
+instruction behind torch's CUDA ``rsqrt`` (and so Hugging Face's norms on a GPU), but an
+approximation whose last bits the CPU interpreter cannot reproduce; the correctly
+rounded pair gives the same bits in the interpreter, on every GPU and in float64
+references, and costs a few instructions per *row* of a memory-bound kernel.
 """
 
 import numbers
@@ -78,7 +83,8 @@ LLAMA, GEMMA, NONE = 0, 1, 2
 
 
 def check_convention(offset, casting_mode, weight) -> tuple[float, int]:
-    """Validate ``offset`` and ``casting_mode`` (before any launch); returns (offset, MODE)."""
+    """Validate ``offset`` and ``casting_mode`` (before any launch); returns (offset,
+    MODE)."""
     if isinstance(offset, bool) or not isinstance(offset, numbers.Real):
         raise TypeError(f"offset must be a real number, got {type(offset).__name__}")
     offset = float(offset)
@@ -86,15 +92,18 @@ def check_convention(offset, casting_mode, weight) -> tuple[float, int]:
         raise ValueError(f"offset must be finite, got {offset}")
     if not isinstance(casting_mode, str) or casting_mode not in CASTING_MODES:
         raise ValueError(
-            f"casting_mode must be one of {sorted(CASTING_MODES)}, got {casting_mode!r}")
+            f"casting_mode must be one of {sorted(CASTING_MODES)}, "
+            f"got {casting_mode!r}")
     if offset != 0.0 and weight is None:
-        raise ValueError(f"offset={offset} scales the weight (offset + weight): pass a weight")
+        raise ValueError(f"offset={offset} scales the weight (offset + weight): pass a "
+                         "weight")
     return offset, CASTING_MODES[casting_mode]
 
 
 @triton.jit
 def _round_if(x, dtype: tl.constexpr, ROUND: tl.constexpr):
-    """``x`` rounded to ``dtype`` and back when ROUND (arithmetic in the input's precision)."""
+    """``x`` rounded to ``dtype`` and back when ROUND (arithmetic in the input's
+    precision)."""
     if ROUND:
         return round_to(x, dtype).to(x.dtype)
     else:
@@ -119,12 +128,14 @@ def _mean(total, N):
 
 @triton.jit
 def _rstd(sum_sq, N, eps, row_mask, DT: tl.constexpr, MODE: tl.constexpr):
-    """1 / sqrt(sum_sq / N + eps), IEEE (sqrt_rn, div_rn): the same bits on a GPU and here."""
+    """1 / sqrt(sum_sq / N + eps), IEEE (sqrt_rn, div_rn): the same bits on a GPU and
+    here."""
     ms = _round_if(_mean(sum_sq, N), DT, MODE == 2)
     # Padding rows of the last tile read as zeros: give them 1, not 1/0, when eps = 0.
     v = tl.where(row_mask, _round_if(ms + eps, DT, MODE == 2), 1.0)
     if v.dtype == tl.float64:
-        r = 1.0 / tl.sqrt(v)  # fp64 sqrt and division are IEEE already (sqrt.rn.f64, div.rn.f64)
+        # fp64 sqrt and division are IEEE already (sqrt.rn.f64, div.rn.f64)
+        r = 1.0 / tl.sqrt(v)
     else:
         r = tl.math.div_rn(tl.full(v.shape, 1.0, v.dtype), tl.sqrt_rn(v))
     return _round_if(r, DT, MODE == 2)
@@ -139,8 +150,8 @@ def _normalize(x, rstd, w, offset, HAS_WEIGHT: tl.constexpr, DT: tl.constexpr,
         # llama/none: round the normalized value to the input dtype before the scale.
         y = round_to(y, DT).to(x.dtype)
     if HAS_WEIGHT:
-        # γ' formed in fp32; the product formed in fp32 and rounded once below: exactly a
-        # correctly rounded half-precision multiply for llama (and no reliance on the
+        # γ' formed in fp32; the product formed in fp32 and rounded once below: exactly
+        # a correctly rounded half-precision multiply for llama (and no reliance on the
         # interpreter's broken bf16 arithmetic). gemma keeps the fp32 product.
         scale = _round_if(offset + w, DT, MODE == 2)
         y = y * scale[None, :]
@@ -152,7 +163,8 @@ def _rms_norm_fwd(
     X, Y, W, Rstd,              # pointers: input, output, weight, per-row 1/rms (fp32)
     stride_x, stride_y,         # distance between rows, in elements
     M, N, eps, offset,          # rows, row length, epsilon, γ' = offset + γ
-    HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr,  # ACC: accumulation dtype, fp32 (fp64 for fp64 input)
+    # ACC: accumulation dtype, fp32 (fp64 for fp64 input)
+    HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr,
     MODE: tl.constexpr,         # casting mode: 0 llama, 1 gemma, 2 none
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
 ):
@@ -168,7 +180,8 @@ def _rms_norm_fwd(
         cols = tl.arange(0, BLOCK_N)
         mask = row_mask[:, None] & (cols < N)[None, :]
         x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(ACC)
-        sum_sq = tl.sum(_square(x, DT, MODE), axis=1)  # fp32: fp16 squares overflow past 256
+        # fp32: fp16 squares overflow past 256
+        sum_sq = tl.sum(_square(x, DT, MODE), axis=1)
     else:
         # Wider than a block: accumulate the sum of squares block by block, in fp32.
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
@@ -196,8 +209,10 @@ def _rms_norm_fwd(
         tl.store(y_rows + cols[None, :], y, mask=mask)
 
 
-def _forward(x2d: torch.Tensor, weight, eps: float, offset: float = 0.0, mode: int = LLAMA):
-    """Launch the kernel on a (M, N) view; returns (y2d, rstd), rstd of shape (M,) in the accumulation dtype."""
+def _forward(x2d: torch.Tensor, weight, eps: float, offset: float = 0.0,
+             mode: int = LLAMA):
+    """Launch the kernel on a (M, N) view; returns (y2d, rstd), rstd of shape (M,) in
+    the accumulation dtype."""
     M, N = x2d.shape
     y = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)
     acc = accumulation_dtype(x2d.dtype)
@@ -205,7 +220,8 @@ def _forward(x2d: torch.Tensor, weight, eps: float, offset: float = 0.0, mode: i
     if M == 0 or N == 0:
         return y, rstd.fill_(float("nan") if N == 0 else 0.0)
     cfg = rms_config(N, x2d.element_size())
-    w = weight.contiguous() if weight is not None else x2d  # dummy pointer when HAS_WEIGHT is False
+    # dummy pointer when HAS_WEIGHT is False
+    w = weight.contiguous() if weight is not None else x2d
     with device_guard(x2d):
         _rms_norm_fwd[(triton.cdiv(M, cfg.BLOCK_M),)](
             x2d, y, w, rstd, x2d.stride(0), y.stride(0), M, N, eps, offset,
@@ -218,13 +234,18 @@ def _forward(x2d: torch.Tensor, weight, eps: float, offset: float = 0.0, mode: i
 
 @triton.jit
 def _rms_norm_bwd(
-    X, W, Rstd, DY, DH, DX, DW,  # pointers: input, weight, 1/rms, upstream grads of y and of x itself, dx, (G, N) dγ partials
+    # pointers: input, weight, 1/rms, upstream grads of y and of x itself, dx, (G, N) dγ
+    # partials
+    X, W, Rstd, DY, DH, DX, DW,
     stride_x, stride_dy, stride_dh, stride_dx,  # distance between rows, in elements
-    M, N, G, offset,            # rows, row length, programs (= rows of DW), γ' = offset + γ
-    HAS_WEIGHT: tl.constexpr, HAS_DH: tl.constexpr, COMPUTE_DW: tl.constexpr, ACC: tl.constexpr,
+    # rows, row length, programs (= rows of DW), γ' = offset + γ
+    M, N, G, offset,
+    HAS_WEIGHT: tl.constexpr, HAS_DH: tl.constexpr, COMPUTE_DW: tl.constexpr,
+    ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Rows that fit in one block: each program reads whole rows once and keeps dγ in registers."""
+    """Rows that fit in one block: each program reads whole rows once and keeps dγ in
+    registers."""
     pid = tl.program_id(0)
     num_tiles = tl.cdiv(M, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -234,42 +255,53 @@ def _rms_norm_bwd(
         w = offset + tl.load(W + cols, mask=col_mask, other=0.0).to(ACC)
     # dγ for this program's rows stays in registers until the end.
     dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
-    # Row tiles pid, pid + G, ...: a fixed assignment, so the dγ partial sums are reproducible.
+    # Row tiles pid, pid + G, ...: a fixed assignment, so the dγ partial sums are
+    # reproducible.
     for tile in range(pid, num_tiles, G):
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         row_mask = rows < M
         rows = rows.to(tl.int64)  # rows * stride can pass 2**31 on a large tensor
         mask = row_mask[:, None] & col_mask[None, :]
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)
-        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(ACC)
-        rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)  # saved by the forward: no second reduction
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask,
+                    other=0.0).to(ACC)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask,
+                     other=0.0).to(ACC)
+        # saved by the forward: no second reduction
+        rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)
         xhat = x * rstd[:, None]
         if HAS_WEIGHT:
             g = dy * w[None, :]
         else:
             g = dy
-        # The rank-one part of the Jacobian needs one dot product per row: c = mean(x̂ ⊙ g).
+        # The rank-one part of the Jacobian needs one dot product per row: c = mean(x̂ ⊙
+        # g).
         c = _mean(tl.sum(xhat * g, axis=1), N)
         dx = (g - xhat * c[:, None]) * rstd[:, None]
         if HAS_DH:
-            # fused_add_rms_norm: the gradient reaching h = x + r directly adds to the norm's.
-            dx += tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(ACC)
-        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], round_to(dx, DX.dtype.element_ty), mask=mask)
+            # fused_add_rms_norm: the gradient reaching h = x + r directly adds to the
+            # norm's.
+            dx += tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask,
+                          other=0.0).to(ACC)
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :],
+                 round_to(dx, DX.dtype.element_ty), mask=mask)
         if COMPUTE_DW:
             dw_acc += dy * xhat  # masked rows and columns load as 0 and add nothing
     if COMPUTE_DW:
         # Each program's row of partial sums is stored once: no read-modify-write.
-        tl.store(DW + pid.to(tl.int64) * N + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+        tl.store(DW + pid.to(tl.int64) * N + cols, tl.sum(dw_acc, axis=0),
+                 mask=col_mask)
 
 
 @triton.jit
 def _rms_norm_bwd_dot(
-    X, W, Rstd, DY, C,          # pointers: input, weight, 1/rms, upstream grad, per-row correction
+    # pointers: input, weight, 1/rms, upstream grad, per-row correction
+    X, W, Rstd, DY, C,
     stride_x, stride_dy,        # distance between rows, in elements
     N, offset,                  # row length, γ' = offset + γ
     HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Wide rows, step 1: each row's correction c = mean(x̂ ⊙ γ' ⊙ dy), one program per row."""
+    """Wide rows, step 1: each row's correction c = mean(x̂ ⊙ γ' ⊙ dy), one program per
+    row."""
     row = tl.program_id(0).to(tl.int64)
     rstd = tl.load(Rstd + row)
     acc = tl.zeros([BLOCK_N], dtype=ACC)
@@ -287,14 +319,18 @@ def _rms_norm_bwd_dot(
 
 @triton.jit
 def _rms_norm_bwd_cols(
-    X, W, Rstd, C, DY, DH, DX, DW,  # pointers: ..., per-row correction (step 1), ..., (G, N) dγ partials
+    # pointers: ..., per-row correction (step 1), ..., (G, N) dγ partials
+    X, W, Rstd, C, DY, DH, DX, DW,
     stride_x, stride_dy, stride_dh, stride_dx,  # distance between rows, in elements
-    M, N, G, offset,            # rows, row length, programs per column block (= rows of DW), γ' = offset + γ
-    HAS_WEIGHT: tl.constexpr, HAS_DH: tl.constexpr, COMPUTE_DW: tl.constexpr, ACC: tl.constexpr,
+    # rows, row length, programs per column block (= rows of DW), γ' = offset + γ
+    M, N, G, offset,
+    HAS_WEIGHT: tl.constexpr, HAS_DH: tl.constexpr, COMPUTE_DW: tl.constexpr,
+    ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Wide rows, step 2: program (p, j) writes dx for column block j of row tiles p, p + G, ...
-    and keeps that block's dγ partial sums in registers: each partial is stored once."""
+    """Wide rows, step 2: program (p, j) writes dx for column block j of row tiles p, p
+    + G, ... and keeps that block's dγ partial sums in registers: each partial is stored
+    once."""
     pid = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -308,8 +344,10 @@ def _rms_norm_bwd_cols(
         mask = row_mask[:, None] & col_mask[None, :]
         rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)
         c = tl.load(C + rows, mask=row_mask, other=0.0)
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)
-        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(ACC)
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask,
+                    other=0.0).to(ACC)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask,
+                     other=0.0).to(ACC)
         xhat = x * rstd[:, None]
         if HAS_WEIGHT:
             g = dy * w[None, :]
@@ -317,36 +355,46 @@ def _rms_norm_bwd_cols(
             g = dy
         dx = (g - xhat * c[:, None]) * rstd[:, None]
         if HAS_DH:
-            dx += tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(ACC)
-        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], round_to(dx, DX.dtype.element_ty), mask=mask)
+            dx += tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask,
+                          other=0.0).to(ACC)
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :],
+                 round_to(dx, DX.dtype.element_ty), mask=mask)
         if COMPUTE_DW:
             dw_acc += dy * xhat
     if COMPUTE_DW:
-        tl.store(DW + pid.to(tl.int64) * N + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+        tl.store(DW + pid.to(tl.int64) * N + cols, tl.sum(dw_acc, axis=0),
+                 mask=col_mask)
 
 
-def backward_plan(M: int, N: int, element_size: int, weight_size: int = 0, acc_size: int = 4,
+def backward_plan(M: int, N: int, element_size: int, weight_size: int = 0,
+                  acc_size: int = 4,
                   sms: int | None = None):
-    """(config, G, column blocks, essential bytes, partial-sum bytes) of the backward at (M, N).
+    """(config, G, column blocks, essential bytes, partial-sum bytes) of the backward at
+    (M, N).
 
-    Essential bytes: what any backward must move (x and dy read, dx written, γ read and dγ
-    written when there is a weight). The partial sums of dγ add ``2·G·N·acc_size`` (written
-    once, read once); G is bounded so that this stays within ``MAX_PARTIAL_SHARE`` of the
-    essential bytes (kernels._reduce.num_partials_within)."""
+    Essential bytes: what any backward must move (x and dy read, dx written, γ read and
+    dγ written when there is a weight). The partial sums of dγ add ``2·G·N·acc_size``
+    (written once, read once); G is bounded so that this stays within
+    ``MAX_PARTIAL_SHARE`` of the essential bytes
+    (kernels._reduce.num_partials_within)."""
     cfg = rms_config(N, element_size, backward=True)
     col_blocks = 1 if cfg.SINGLE_BLOCK else triton.cdiv(N, cfg.BLOCK_N)
     essential = 3 * M * N * element_size + 2 * N * weight_size
-    G = num_partials_within(triton.cdiv(M, cfg.BLOCK_M), N, essential, acc_size, col_blocks, sms)
+    G = num_partials_within(triton.cdiv(M, cfg.BLOCK_M), N, essential, acc_size,
+                            col_blocks, sms)
     partial = partial_traffic_bytes(G, N, acc_size) if weight_size else 0
     return cfg, G, col_blocks, essential, partial
 
 
-def _backward(dy2d: torch.Tensor, x2d: torch.Tensor, weight, rstd: torch.Tensor, compute_dw: bool,
+def _backward(dy2d: torch.Tensor, x2d: torch.Tensor, weight, rstd: torch.Tensor,
+              compute_dw: bool,
               offset: float = 0.0, dh2d: torch.Tensor | None = None):
-    """dx (shape of x2d, x's dtype) and dγ (weight's dtype, or None) from the saved forward state.
+    """dx (shape of x2d, x's dtype) and dγ (weight's dtype, or None) from the saved
+    forward state.
 
-    ``dh2d``, when given, is a gradient that reaches the normalized tensor directly (the ``h``
-    output of :func:`kernels.fused_add_rms_norm`): it is added to dx in the same pass."""
+    ``dh2d``, when given, is a gradient that reaches the normalized tensor directly (the
+    ``h`` output of :func:`kernels.fused_add_rms_norm`): it is added to dx in the same
+    pass."""
     M, N = x2d.shape
     dx = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)
     compute_dw = compute_dw and weight is not None
@@ -354,28 +402,38 @@ def _backward(dy2d: torch.Tensor, x2d: torch.Tensor, weight, rstd: torch.Tensor,
         dw = torch.zeros_like(weight) if compute_dw else None  # an empty sum is 0
         return dx, dw
     cfg, G, col_blocks, _, _ = backward_plan(
-        M, N, x2d.element_size(), weight.element_size() if compute_dw else 0, rstd.element_size())
-    # Partial sums of dγ, one row per program (per column block): each written exactly once.
-    partial = torch.empty((G if compute_dw else 1, N), dtype=rstd.dtype, device=x2d.device)
-    w = weight.contiguous() if weight is not None else x2d  # dummy pointer when HAS_WEIGHT is False
+        M, N, x2d.element_size(), weight.element_size() if compute_dw else 0,
+        rstd.element_size())
+    # Partial sums of dγ, one row per program (per column block): each written exactly
+    # once.
+    partial = torch.empty((G if compute_dw else 1, N), dtype=rstd.dtype,
+                          device=x2d.device)
+    # dummy pointer when HAS_WEIGHT is False
+    w = weight.contiguous() if weight is not None else x2d
     dh = dh2d if dh2d is not None else dy2d  # dummy pointer when HAS_DH is False
-    flags = dict(HAS_WEIGHT=weight is not None, HAS_DH=dh2d is not None, COMPUTE_DW=compute_dw,
-                 ACC=tl_accumulation_dtype(rstd.dtype), BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
+    flags = dict(HAS_WEIGHT=weight is not None, HAS_DH=dh2d is not None,
+                 COMPUTE_DW=compute_dw,
+                 ACC=tl_accumulation_dtype(rstd.dtype), BLOCK_M=cfg.BLOCK_M,
+                 BLOCK_N=cfg.BLOCK_N,
                  num_warps=cfg.num_warps, **LAUNCH)
     strides = (x2d.stride(0), dy2d.stride(0), dh.stride(0), dx.stride(0))
     with device_guard(x2d):
         if cfg.SINGLE_BLOCK:
-            _rms_norm_bwd[(G,)](x2d, w, rstd, dy2d, dh, dx, partial, *strides, M, N, G, offset,
+            _rms_norm_bwd[(G,)](x2d, w, rstd, dy2d, dh, dx, partial, *strides, M, N, G,
+                                offset,
                                 **flags)
         else:
-            # Step 1: every row's correction; step 2: column blocks with dγ in registers.
+            # Step 1: every row's correction; step 2: column blocks with dγ in
+            # registers.
             c = torch.empty((M,), dtype=rstd.dtype, device=x2d.device)
             _rms_norm_bwd_dot[(M,)](
                 x2d, w, rstd, dy2d, c, x2d.stride(0), dy2d.stride(0), N, offset,
-                HAS_WEIGHT=weight is not None, ACC=flags["ACC"], BLOCK_N=RMS_LOOP_BLOCK_N,
+                HAS_WEIGHT=weight is not None, ACC=flags["ACC"],
+                BLOCK_N=RMS_LOOP_BLOCK_N,
                 num_warps=RMS_LOOP_BLOCK_N // 256, **LAUNCH)
             _rms_norm_bwd_cols[(G, col_blocks)](
-                x2d, w, rstd, c, dy2d, dh, dx, partial, *strides, M, N, G, offset, **flags)
+                x2d, w, rstd, c, dy2d, dh, dx, partial, *strides, M, N, G, offset,
+                **flags)
     dw = sum_partials(partial, weight.dtype) if compute_dw else None
     return dx, dw
 
@@ -388,7 +446,8 @@ class RMSNormFunction(torch.autograd.Function):
         ctx.x_shape = x.shape
         ctx.offset = offset
         if x.numel() == 0:
-            # Nothing to normalize; the gradients are empty (dx) and zero (dγ, an empty sum).
+            # Nothing to normalize; the gradients are empty (dx) and zero (dγ, an empty
+            # sum).
             ctx.save_for_backward(None, weight, None)
             return torch.empty_like(x, memory_format=torch.contiguous_format)
         x2d = _validate.as_rows(x)
@@ -401,34 +460,40 @@ class RMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x2d, weight, rstd = ctx.saved_tensors
         if x2d is None:
-            dw = torch.zeros_like(weight) if weight is not None and ctx.needs_input_grad[1] else None
+            need_dw = weight is not None and ctx.needs_input_grad[1]
+            dw = torch.zeros_like(weight) if need_dw else None
             return torch.zeros_like(dy), dw, None, None, None
-        dx, dw = _backward(_validate.as_rows(dy), x2d, weight, rstd, ctx.needs_input_grad[1],
+        dx, dw = _backward(_validate.as_rows(dy), x2d, weight, rstd,
+                           ctx.needs_input_grad[1],
                            ctx.offset)
         return dx.view(ctx.x_shape), dw, None, None, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, *,
              offset: float = 0.0, casting_mode: str = "llama") -> torch.Tensor:
-    r"""RMSNorm over the last dimension of ``x``: ``y = x / sqrt(mean(x**2) + eps) * (offset + weight)``.
+    r"""RMSNorm over the last dimension of ``x``: ``y = x / sqrt(mean(x**2) + eps) *
+    (offset + weight)``.
 
-    The default follows the Hugging Face Qwen3/Llama convention: statistics and normalization in
-    fp32, the normalized value rounded to ``x``'s dtype, then multiplied by ``weight``. With
-    ``weight`` in ``x``'s dtype the result equals ``Qwen3RMSNorm`` bit for bit up to the fp32
-    sum's order; the output always has ``x``'s dtype and shape. ``casting_mode="gemma",
-    offset=1.0`` is ``Gemma3RMSNorm``; see the module docstring for the three conventions.
+    The default follows the Hugging Face Qwen3/Llama convention: statistics and
+    normalization in fp32, the normalized value rounded to ``x``'s dtype, then
+    multiplied by ``weight``. With ``weight`` in ``x``'s dtype the result equals
+    ``Qwen3RMSNorm`` bit for bit up to the fp32 sum's order; the output always has
+    ``x``'s dtype and shape. ``casting_mode="gemma", offset=1.0`` is ``Gemma3RMSNorm``;
+    see the module docstring for the three conventions.
 
     Args:
-        x: float32, float16 or bfloat16 tensor of any shape ``(..., N)`` (float64 is accepted and
-            accumulated in float64, for gradient checks). Rows may be strided
-            (last dimension contiguous); other layouts are copied once.
+        x: float32, float16 or bfloat16 tensor of any shape ``(..., N)`` (float64 is
+            accepted and accumulated in float64, for gradient checks). Rows may be
+            strided (last dimension contiguous); other layouts are copied once.
         weight: ``None`` or a float tensor of shape ``(N,)`` on ``x``'s device.
         eps: finite, >= 0, added to the mean square inside the square root.
-        offset: finite real; the scale is ``offset + weight`` (Gemma: 1.0). Needs a weight.
+        offset: finite real; the scale is ``offset + weight`` (Gemma: 1.0). Needs a
+        weight.
         casting_mode: ``"llama"`` (default), ``"gemma"`` or ``"none"``.
 
     Differentiable with respect to ``x`` and ``weight`` (Triton backward kernels, see
-    :class:`RMSNormFunction`); without ``requires_grad`` nothing is saved for a backward pass.
+    :class:`RMSNormFunction`); without ``requires_grad`` nothing is saved for a backward
+    pass.
 
     Raises:
         TypeError / ValueError naming the bad argument, before any kernel is launched.
@@ -438,7 +503,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     _validate.check_param(weight, "weight", n, x)
     eps = _validate.check_eps(eps)
     offset, mode = check_convention(offset, casting_mode, weight)
-    if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
+    if torch.is_grad_enabled() and (x.requires_grad
+                                    or (weight is not None and weight.requires_grad)):
         return RMSNormFunction.apply(x, weight, eps, offset, mode)
     # No gradient wanted: launch the forward directly and save nothing.
     if x.numel() == 0:

@@ -1,28 +1,33 @@
-r"""Sampling the next token from logits, in one Triton kernel: temperature, top-k, top-p, min-p.
+r"""Sampling the next token from logits, in one Triton kernel: temperature, top-k,
+top-p, min-p.
 
-For one row of logits :math:`x` and a temperature :math:`T > 0`, let :math:`z = (x - \max x)/T`
-and :math:`p \propto e^{z}`. The filters keep the tokens whose scaled logit reaches a threshold,
-applied in Hugging Face's order (temperature, top-k, top-p, min-p):
+For one row of logits :math:`x` and a temperature :math:`T > 0`, let :math:`z = (x -
+\max x)/T` and :math:`p \propto e^{z}`. The filters keep the tokens whose scaled logit
+reaches a threshold, applied in Hugging Face's order (temperature, top-k, top-p, min-p):
 
-- top-k: :math:`z_i \ge` the k-th largest :math:`z` (ties with it are kept: possibly more than k);
+- top-k: :math:`z_i \ge` the k-th largest :math:`z` (ties with it are kept: possibly
+  more than k);
 - top-p: of the top-k set, token :math:`i` is kept iff the probability of the tokens
-  strictly more likely than it is below ``top_p`` (ties are kept or dropped together), with
-  the boundary decided at ``(1 - TOP_P_SLACK) * top_p`` (see :data:`TOP_P_SLACK`);
-- min-p: :math:`p_i \ge \text{min\_p}\cdot p_{\max}`, i.e. :math:`z_i \ge \ln \text{min\_p}`.
+  strictly more likely than it is below ``top_p`` (ties are kept or dropped together),
+  with the boundary decided at ``(1 - TOP_P_SLACK) * top_p`` (see :data:`TOP_P_SLACK`);
+- min-p: :math:`p_i \ge \text{min\_p}\cdot p_{\max}`, i.e. :math:`z_i \ge \ln
+  \text{min\_p}`.
 
 Every filter is "keep :math:`z_i \ge \tau`", so the kept set is one threshold per row.
-The kernel finds it without sorting, by a search over the 2**32 fp32 bit patterns, ordered
-like the floats (:func:`_order_key`): each pass over the row counts (top-k) or sums
-:math:`e^{z}` (top-p) above FANOUT - 1 candidate keys at once and narrows the interval that
-holds the threshold FANOUT-fold (SEARCH_BITS bits a pass), so SEARCH_PASSES passes pin it
-exactly (:func:`row_reads`). Then it draws with the Gumbel-max trick (an exponential race):
-the sample is :math:`\arg\max_i z_i - \log E_i` over the kept tokens,
-:math:`E_i \sim \mathrm{Exp}(1)`, which needs neither the normalizing sum nor a prefix sum.
+The kernel finds it without sorting, by a search over the 2**32 fp32 bit patterns,
+ordered like the floats (:func:`_order_key`): each pass over the row counts (top-k) or
+sums :math:`e^{z}` (top-p) above FANOUT - 1 candidate keys at once and narrows the
+interval that holds the threshold FANOUT-fold (SEARCH_BITS bits a pass), so
+SEARCH_PASSES passes pin it exactly (:func:`row_reads`). Then it draws with the
+Gumbel-max trick (an exponential race): the sample is :math:`\arg\max_i z_i - \log E_i`
+over the kept tokens, :math:`E_i \sim \mathrm{Exp}(1)`, which needs neither the
+normalizing sum nor a prefix sum.
 
-Random numbers come from Triton's counter-based Philox (``tl.randint``): element ``(r, c)`` of the
-(M, N) row view uses key ``seed`` (two 32-bit halves, low first) and counter
-``(r*N + c) mod 2**32, (r*N + c) >> 32, 0, 0``. A draw therefore depends only on the seed, the
-row's index in the call and the token's index, not on the launch configuration or the strides.
+Random numbers come from Triton's counter-based Philox (``tl.randint``): element ``(r,
+c)`` of the (M, N) row view uses key ``seed`` (two 32-bit halves, low first) and counter
+``(r*N + c) mod 2**32, (r*N + c) >> 32, 0, 0``. A draw therefore depends only on the
+seed, the row's index in the call and the token's index, not on the launch configuration
+or the strides.
 """
 
 import math
@@ -69,24 +74,25 @@ _ONE_MINUS_ULP = tl.constexpr(ONE_MINUS_ULP)
 
 
 def row_reads(top_k: bool = False, top_p: bool = False) -> int:
-    """Passes of ``_sample_kernel`` over a row wider than one tile: each search pass, the
-    top-p total and the draw read the row once (a row that fits in one tile is read once in
-    all)."""
+    """Passes of ``_sample_kernel`` over a row wider than one tile: each search pass,
+    the top-p total and the draw read the row once (a row that fits in one tile is read
+    once in all)."""
     return 1 + top_k * SEARCH_PASSES + top_p * (1 + SEARCH_PASSES)
 
 
 @triton.jit
 def _order_key(z):
-    """An int32 that orders like the fp32 ``z``: the bits of a non-negative float already order
-    like it; a negative float's low 31 bits are flipped. (-0.0 would sort below +0.0, so callers
-    map it to +0.0 first.)"""
+    """An int32 that orders like the fp32 ``z``: the bits of a non-negative float
+    already order like it; a negative float's low 31 bits are flipped. (-0.0 would sort
+    below +0.0, so callers map it to +0.0 first.)"""
     bits = z.to(tl.int32, bitcast=True)
     return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
 @triton.jit
 def _scaled_logits(X, x_rows, row_mask, cols, N, rowmax, inv_temp):
-    """z = (x - max x) / T in fp32 for one tile; -inf on padding, so it is never counted or drawn."""
+    """z = (x - max x) / T in fp32 for one tile; -inf on padding, so it is never counted
+    or drawn."""
     mask = row_mask[:, None] & (cols < N)[None, :]
     x = tl.load(x_rows + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)
     # Shift first: z <= 0 can never overflow, however small T is.
@@ -99,8 +105,9 @@ def _scaled_logits(X, x_rows, row_mask, cols, N, rowmax, inv_temp):
 
 @triton.jit
 def _tile(X, x_rows, row_mask, cols, N, rowmax, inv_temp):
-    """The order keys of one tile's z (KEY_PAD on padding: below every candidate). The key
-    is all a pass keeps per element: z comes back from it exactly (:func:`_key_to_z`)."""
+    """The order keys of one tile's z (KEY_PAD on padding: below every candidate). The
+    key is all a pass keeps per element: z comes back from it exactly
+    (:func:`_key_to_z`)."""
     z, mask = _scaled_logits(X, x_rows, row_mask, cols, N, rowmax, inv_temp)
     return tl.where(mask, _order_key(z), _KEY_PAD)
 
@@ -116,13 +123,15 @@ def _search(X, x_rows, row_mask, N, rowmax, inv_temp, key_row, floor, target,
             MASS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             SINGLE_BLOCK: tl.constexpr):
     """Largest key t with F(t) >= target, where F(t) = #{key >= t} (MASS False) or the
-    sum of e^z over key >= max(t, floor) (MASS True); F(KEY_LO) >= target is the caller's.
+    sum of e^z over key >= max(t, floor) (MASS True); F(KEY_LO) >= target is the
+    caller's.
 
-    Invariant: the answer is in [lo, lo + 2**w), F(lo) passes, F(lo + 2**w) fails (w = 31
-    at the start). A pass tests the FANOUT - 1 keys lo + j * 2**(w - SEARCH_BITS) and
+    Invariant: the answer is in [lo, lo + 2**w), F(lo) passes, F(lo + 2**w) fails (w =
+    31 at the start). A pass tests the FANOUT - 1 keys lo + j * 2**(w - SEARCH_BITS) and
     keeps the largest that passes: F is monotone (counts exactly; masses because every
     F(t) is summed by the same tiles and tree of non-negative terms, and rounding is
-    monotone), so the passing candidates are a prefix. key_row: the row's keys (SINGLE_BLOCK only)."""
+    monotone), so the passing candidates are a prefix. key_row: the row's keys
+    (SINGLE_BLOCK only)."""
     fan = tl.arange(0, _FANOUT)
     lo = tl.full([BLOCK_M], _KEY_LO, tl.int32)
     for p in range(_SEARCH_PASSES):
@@ -156,16 +165,19 @@ def _search(X, x_rows, row_mask, N, rowmax, inv_temp, key_row, floor, target,
 
 @triton.jit
 def _exponential(V):
-    """E = -log(1 - V) ~ Exp(1) for V uniform in (0, 1), accurate where it matters: the smallest
-    E win the race, and for small V the series V + V²/2 + ... keeps full relative precision
-    (1 - V would round V's low bits away). Truncation after V⁶/6 errs by < V⁶/7 relatively."""
-    series = V * (1.0 + V * (0.5 + V * (1.0 / 3.0 + V * (0.25 + V * (0.2 + V * (1.0 / 6.0))))))
+    """E = -log(1 - V) ~ Exp(1) for V uniform in (0, 1), accurate where it matters: the
+    smallest E win the race, and for small V the series V + V²/2 + ... keeps full
+    relative precision (1 - V would round V's low bits away). Truncation after V⁶/6 errs
+    by < V⁶/7 relatively."""
+    series = V * (1.0 + V * (0.5 + V * (1.0 / 3.0 + V * (0.25 + V * (0.2
+                                                            + V * (1.0 / 6.0))))))
     return tl.where(V < 0.0625, series, -tl.log(1.0 - V))
 
 
 @triton.jit
 def _sample_kernel(
-    X, Rowmax, Out, Tau,           # logits, per-row max, sampled index (int64), threshold key (int32)
+    # logits, per-row max, sampled index (int64), threshold key (int32)
+    X, Rowmax, Out, Tau,
     stride_x,                      # distance between rows, in elements
     M, N, seed,                    # rows, vocabulary size, Philox key
     inv_temp, top_k, top_p, log_min_p,
@@ -231,12 +243,14 @@ def _sample_kernel(
         else:
             # Philox counter = the element's index in the (M, N) view: independent of
             # tiling.
-            r = tl.randint(seed, rows[:, None] * N + cols[None, :]).to(tl.uint32, bitcast=True)
+            r = tl.randint(seed, rows[:, None] * N + cols[None, :]).to(tl.uint32,
+                                                                       bitcast=True)
             # V in (0, 1) with 2**-32 steps near 0, where the winners' E live. (r + 0.5)
             # has 33 significant bits: the fp32 V is exact only for r < 2**23 (V <
             # 2**-9); above, the conversion rounds r to 24 bits (steps of up to 2**-24
             # near 1), and r >= 2**32 - 128 rounds V up to 1, clamped to keep E finite.
-            V = tl.minimum((r.to(tl.float32) + 0.5) * 2.3283064365386963e-10, _ONE_MINUS_ULP)
+            V = tl.minimum((r.to(tl.float32) + 0.5) * 2.3283064365386963e-10,
+                           _ONE_MINUS_ULP)
             score = z - tl.log(_exponential(V))
         score = tl.where(keep, score, float("-inf"))
         blk_best = tl.max(score, axis=1)
@@ -248,8 +262,10 @@ def _sample_kernel(
     tl.store(Out + rows, best_idx, mask=row_mask)
 
 
-def _forward(x2d, rowmax, seed, inv_temp, top_k, top_p, log_min_p, *, greedy, block_n=None):
-    """Launch on an (M, N) view; returns (indices int64 (M,), threshold keys int32 (M,))."""
+def _forward(x2d, rowmax, seed, inv_temp, top_k, top_p, log_min_p, *, greedy,
+             block_n=None):
+    """Launch on an (M, N) view; returns (indices int64 (M,), threshold keys int32
+    (M,))."""
     M, N = x2d.shape
     out = torch.empty((M,), dtype=torch.int64, device=x2d.device)
     tau = torch.empty((M,), dtype=torch.int32, device=x2d.device)
@@ -309,7 +325,8 @@ def _real(value, name):
 def _check_args(temperature, top_k, top_p, min_p, generator):
     temperature = _real(temperature, "temperature")
     if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+        raise ValueError(f"temperature must be >= 0 (0 means greedy), "
+                         f"got {temperature}")
     if top_k is not None:
         if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
             raise TypeError(f"top_k must be an int or None, got {type(top_k).__name__}")
@@ -326,17 +343,20 @@ def _check_args(temperature, top_k, top_p, min_p, generator):
     if generator is not None and not isinstance(generator, torch.Generator):
         if isinstance(generator, bool) or not isinstance(generator, numbers.Integral):
             raise TypeError(
-                f"generator must be a torch.Generator, an int seed or None, got {type(generator).__name__}"
+                f"generator must be a torch.Generator, an int seed or None, got "
+                f"{type(generator).__name__}"
             )
         if not 0 <= generator < 2**63:
-            raise ValueError(f"generator as an int seed must be in [0, 2**63), got {generator}")
+            raise ValueError(f"generator as an int seed must be in [0, 2**63), got "
+                             f"{generator}")
     return temperature, top_k, top_p, min_p
 
 
 def philox_seed(generator=None) -> int:
-    """The 64-bit Philox key of one call: an int is used as it is; a ``torch.Generator`` (or
-    torch's global CPU generator, for None) gives one draw of ``torch.randint(0, 2**63 - 1)``,
-    which advances it: consecutive calls differ, and ``manual_seed`` replays them."""
+    """The 64-bit Philox key of one call: an int is used as it is; a ``torch.Generator``
+    (or torch's global CPU generator, for None) gives one draw of ``torch.randint(0,
+    2**63 - 1)``, which advances it: consecutive calls differ, and ``manual_seed``
+    replays them."""
     if generator is None or isinstance(generator, torch.Generator):
         device = generator.device if generator is not None else "cpu"
         return int(torch.randint(0, 2**63 - 1, (), generator=generator, device=device))
@@ -344,8 +364,9 @@ def philox_seed(generator=None) -> int:
 
 
 def _check_values(rowmax: torch.Tensor) -> None:
-    """One reduction tells all three bad rows apart: NaN propagates through max, +inf is the max,
-    and a row of -inf has max -inf. One host synchronization, before any launch."""
+    """One reduction tells all three bad rows apart: NaN propagates through max, +inf is
+    the max, and a row of -inf has max -inf. One host synchronization, before any
+    launch."""
     bad = ~torch.isfinite(rowmax)
     if bool(bad.any()):
         row = int(bad.nonzero()[0, 0])
@@ -353,45 +374,52 @@ def _check_values(rowmax: torch.Tensor) -> None:
         if math.isnan(value):
             raise ValueError(f"logits contain NaN (row {row} of the flattened rows)")
         if value > 0:
-            raise ValueError(f"logits contain +inf (row {row}): a certain token is not a distribution")
+            raise ValueError(f"logits contain +inf (row {row}): a certain token is not "
+                             "a distribution")
         raise ValueError(f"logits row {row} is all -inf: there is no token to sample")
 
 
-def sample(logits, *, temperature=1.0, top_k=None, top_p=None, min_p=None, generator=None):
+def sample(logits, *, temperature=1.0, top_k=None, top_p=None, min_p=None,
+           generator=None):
     r"""Draw one token index per row of ``logits`` (last dimension = vocabulary).
 
-    The distribution is softmax(logits / temperature) restricted to the tokens that survive
-    top-k, then top-p (renormalized over the top-k set), then min-p, as Hugging Face applies
-    them; ties at a threshold are kept together. ``temperature=0`` is greedy: the first index of
-    the row's maximum. Sampling uses the Gumbel-max trick with Philox random numbers.
+    The distribution is softmax(logits / temperature) restricted to the tokens that
+    survive top-k, then top-p (renormalized over the top-k set), then min-p, as Hugging
+    Face applies them; ties at a threshold are kept together. ``temperature=0`` is
+    greedy: the first index of the row's maximum. Sampling uses the Gumbel-max trick
+    with Philox random numbers.
 
     Args:
-        logits: float32, float16 or bfloat16 (float64 is accepted and read as fp32) tensor of
-            shape ``(..., N)``, on the kernels' device. Rows may be strided. No NaN, no +inf,
-            and at least one finite logit per row.
-        temperature: >= 0. Below about 3e-39, 1/T is clamped to the largest fp32: the draw is
-            then uniform over the row's maxima, the limit T -> 0+.
+        logits: float32, float16 or bfloat16 (float64 is accepted and read as fp32)
+            tensor of shape ``(..., N)``, on the kernels' device. Rows may be strided.
+            No NaN, no +inf, and at least one finite logit per row.
+        temperature: >= 0. Below about 3e-39, 1/T is clamped to the largest fp32: the
+            draw is then uniform over the row's maxima, the limit T -> 0+.
         top_k: None or an int >= 1 (>= N keeps everything).
         top_p: None or a real in (0, 1] (1 keeps everything).
         min_p: None or a real in [0, 1] (0 keeps everything).
-        generator: None (a seed drawn from torch's global CPU generator), a ``torch.Generator``
-            (one seed drawn from it), or an int seed in [0, 2**63). See :func:`philox_seed`.
+        generator: None (a seed drawn from torch's global CPU generator), a
+            ``torch.Generator`` (one seed drawn from it), or an int seed in [0, 2**63).
+            See :func:`philox_seed`.
 
     Returns:
-        int64 tensor of shape ``logits.shape[:-1]``. Indices are not differentiable: the output
-        never requires grad, even when ``logits`` does (there is no gradient to drop).
+        int64 tensor of shape ``logits.shape[:-1]``. Indices are not differentiable: the
+        output never requires grad, even when ``logits`` does (there is no gradient to
+        drop).
 
     Raises:
         TypeError / ValueError naming the bad argument, before any kernel is launched.
     """
     _validate.check_input(logits, "logits")
-    temperature, top_k, top_p, min_p = _check_args(temperature, top_k, top_p, min_p, generator)
+    temperature, top_k, top_p, min_p = _check_args(temperature, top_k, top_p, min_p,
+                                                   generator)
     n = logits.shape[-1]
     out_shape = logits.shape[:-1]
     if math.prod(out_shape) == 0:
         return torch.empty(out_shape, dtype=torch.int64, device=logits.device)
     if n == 0:
-        raise ValueError("logits must have at least one entry in its last dimension (the vocabulary)")
+        raise ValueError("logits must have at least one entry in its last dimension "
+                         "(the vocabulary)")
     x2d = _validate.as_rows(logits.detach())
     rowmax = x2d.amax(dim=-1)
     _check_values(rowmax)
@@ -400,7 +428,8 @@ def sample(logits, *, temperature=1.0, top_k=None, top_p=None, min_p=None, gener
 
 
 def _launch(x2d, rowmax, temperature, top_k, top_p, min_p, generator, block_n=None):
-    """Map the validated arguments onto the kernel's: constexpr flags for filters that act."""
+    """Map the validated arguments onto the kernel's: constexpr flags for filters that
+    act."""
     n = x2d.shape[1]
     if temperature == 0.0:
         # Greedy: the maximum is kept by every filter, so filters change nothing.

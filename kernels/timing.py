@@ -1,11 +1,13 @@
 """The one timing helper every chapter uses.
 
-On a GPU it times each candidate with ``triton.testing.do_bench`` (warm-up, then the median of
-many runs, L2 flushed between runs) and reports milliseconds and effective bandwidth: the bytes a
-kernel *must* move (read its inputs once, write its outputs once) divided by the time.
+On a GPU it times each candidate with ``triton.testing.do_bench`` (warm-up, then the
+median of many runs, L2 flushed between runs) and reports milliseconds and effective
+bandwidth: the bytes a kernel *must* move (read its inputs once, write its outputs once)
+divided by the time.
 
-On a CPU the kernels run in Triton's interpreter, one program at a time in Python: a timing there
-measures the interpreter, not the kernel, so this helper says so and reports nothing.
+On a CPU the kernels run in Triton's interpreter, one program at a time in Python: a
+timing there measures the interpreter, not the kernel, so this helper says so and
+reports nothing.
 """
 
 from __future__ import annotations
@@ -18,14 +20,16 @@ import torch
 from ._runtime import DEVICE, device_name
 
 CPU_NOTE = (
-    "No GPU here: the kernels ran in Triton's CPU interpreter, which executes one program\n"
+    "No GPU here: the kernels ran in Triton's CPU interpreter, which executes one "
+    "program\n"
     "at a time in Python. Its timings say nothing about GPU speed, so none are shown.\n"
     "Run this chapter on a GPU (for example in Colab) to see live figures."
 )
 
 
 def bytes_moved(*tensors: torch.Tensor | None) -> int:
-    """Bytes that must cross memory: the sum of the sizes of every tensor read or written once."""
+    """Bytes that must cross memory: the sum of the sizes of every tensor read or
+    written once."""
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
@@ -35,7 +39,8 @@ def gbps(nbytes: int, ms: float) -> float:
 
 
 def time_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float:
-    """Median time of ``fn()`` in milliseconds on the GPU (``do_bench``, L2 flushed per run)."""
+    """Median time of ``fn()`` in milliseconds on the GPU (``do_bench``, L2 flushed per
+    run)."""
     if DEVICE.type != "cuda":
         raise RuntimeError(CPU_NOTE)
     from triton.testing import do_bench
@@ -58,8 +63,9 @@ def compare(
     *,
     show: bool = True,
 ):
-    """Time each candidate (name -> zero-argument callable) and, if given, the torch formula in
-    eager mode and under ``torch.compile``. Returns a list of rows (dicts) or None on a CPU.
+    """Time each candidate (name -> zero-argument callable) and, if given, the torch
+    formula in eager mode and under ``torch.compile``. Returns a list of rows (dicts) or
+    None on a CPU.
 
     Every row has: name, ms (median), GB/s for ``nbytes`` bytes, and the device's name.
     """
@@ -82,17 +88,21 @@ def compare(
         try:
             ms = time_ms(fn)
         except Exception as exc:  # a failed compile should not hide the other figures
-            rows.append({"name": name, "ms": math.nan, "GB/s": math.nan, "note": type(exc).__name__})
+            rows.append({"name": name, "ms": math.nan, "GB/s": math.nan,
+                         "note": type(exc).__name__})
             continue
         rows.append({"name": name, "ms": ms, "GB/s": gbps(nbytes, ms)})
     if show:
-        print(format_table(rows, title=f"{device_name()}, torch {torch.__version__}, {nbytes / 1e6:.1f} MB moved"))
+        print(format_table(rows,
+                           title=f"{device_name()}, torch {torch.__version__}, "
+                           f"{nbytes / 1e6:.1f} MB moved"))
     return rows
 
 
 def kernels_called(fn: Callable) -> set[str]:
-    """Names a callable (a chapter's timing lambda) calls, read from its code and the code
-    of the functions it closes over: ``lambda: kernels.rms_norm(x, w)`` calls ``rms_norm``.
+    """Names a callable (a chapter's timing lambda) calls, read from its code and the
+    code of the functions it closes over: ``lambda: kernels.rms_norm(x, w)`` calls
+    ``rms_norm``.
     """
     names: set[str] = set()
     seen = set()
@@ -137,16 +147,20 @@ def format_table(rows: list[dict], title: str = "") -> str:
     return "\n".join(lines)
 
 
-def copy_bandwidth(nbytes: int = 2**28, timer: Callable[[Callable[[], object]], float] | None = None,
+def copy_bandwidth(nbytes: int = 2**28,
+                   timer: Callable[[Callable[[], object]], float] | None = None,
                    device: torch.device | None = None) -> dict:
-    """The memory-bound speed of light, measured: a device-to-device copy of ``nbytes`` bytes.
+    """The memory-bound speed of light, measured: a device-to-device copy of ``nbytes``
+    bytes.
 
-    A copy reads every byte once and writes it once, so it moves ``2 * nbytes`` bytes and does
-    no arithmetic. A kernel that must read its inputs and write its outputs, in a similar mix of
-    reads and writes, is not expected to beat its GB/s (one with another mix, e.g. two reads per
-    write, can land a little above: see the speed-of-light chapter's pitfalls).
-    The source holds random bytes (not zeros) and is larger than any L2 cache for the default
-    size. ``timer`` defaults to :func:`time_ms` (GPU only). Returns bytes, ms and GB/s.
+    A copy reads every byte once and writes it once, so it moves ``2 * nbytes`` bytes
+    and does no arithmetic. A kernel that must read its inputs and write its outputs, in
+    a similar mix of reads and writes, is not expected to beat its GB/s (one with
+    another mix, e.g. two reads per
+    write, can land a little above: see the speed-of-light chapter's pitfalls). The
+    source holds random bytes (not zeros) and is larger than any L2 cache for the
+    default size. ``timer`` defaults to :func:`time_ms` (GPU only). Returns bytes, ms
+    and GB/s.
     """
     timer = time_ms if timer is None else timer
     device = DEVICE if device is None else device

@@ -37,3 +37,15 @@ def test_the_width_check_sees_a_long_line(tmp_path):
     p.write_text(json.dumps({"cells": [{"cell_type": "code", "source": ["a = 1\n", "b" * 89]},
                                        {"cell_type": "markdown", "source": ["m" * 200]}]}))
     assert long_lines(p) == ["cell 0 line 2: 89 columns"]
+
+
+def test_kernel_source_fits_88_columns():
+    """The chapters show kernels/ source (kernels.notebook.show_source) in the same column as
+    their code cells: every line of the package fits 88 columns too."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "kernels"
+    bad = [f"{p.relative_to(root.parent)}:{i}: {len(line)} columns"
+           for p in sorted(root.rglob("*.py"))
+           for i, line in enumerate(p.read_text().splitlines(), 1) if len(line) > MAX_COLUMNS]
+    assert not bad, f"{len(bad)} lines of kernels/ over {MAX_COLUMNS} columns:\n" + "\n".join(bad[:20])

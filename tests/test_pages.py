@@ -90,16 +90,10 @@ def test_figure_text_legible_on_a_phone(browser, server, page_path):  # noqa: F8
         page.context.close()
 
 
-# TEMPORARY: kernels/ files with lines over 88 columns, whose listings (show_source) still scroll
-# at 1366 px. Each listing that scrolls must come from one of these files, line for line; the list
-# is emptied when kernels/ is reformatted to 88 columns, and a file that no longer has a long
-# line must leave it (test_long_line_exemptions_are_still_needed).
-KERNEL_FILES_WITH_LONG_LINES: list[str] = [
-    "kernels/_reduce.py", "kernels/attention.py", "kernels/bench/cases.py",
-    "kernels/decode_attention.py", "kernels/fused_add_rms_norm.py", "kernels/hf.py",
-    "kernels/layer_norm.py", "kernels/qk_norm_rope.py", "kernels/reference.py",
-    "kernels/rms_norm.py", "kernels/sampling.py", "kernels/speculative.py", "kernels/timing.py",
-]
+# kernels/ files with lines over 88 columns, whose listings (show_source) would scroll at
+# 1366 px. Empty since kernels/ was reformatted to 88 columns (tests/test_code_width.py keeps it
+# so); a file listed here must still have a long line (test_long_line_exemptions_are_still_needed).
+KERNEL_FILES_WITH_LONG_LINES: list[str] = []
 CODE_COLUMNS = 88
 
 

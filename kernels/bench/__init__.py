@@ -1,32 +1,37 @@
 """The benchmark behind the chapter "At the speed of light".
 
-    python -m kernels.bench                 # on a CUDA GPU: the full sweep, results into data/bench/
-    python -m kernels.bench --smoke         # anywhere: the same code path, tiny shapes, a temp folder
+    python -m kernels.bench                 # on a CUDA GPU: the full sweep, results
+    into data/bench/ python -m kernels.bench --smoke         # anywhere: the same code
+    path, tiny shapes, a temp folder
 
-It measures the device-to-device copy bandwidth (the memory-bound speed of light), then runs every
-benchmark case over a sweep of hidden sizes N = 256 … 262,144 with many rows (M·N = 2**26 elements
-per row-sized tensor) and at decode shapes (M = 1, 8, 64 rows of N = 4096 and 8192), in bf16 (fp16 on GPUs without bf16), for each provider: this package's
-Triton kernel, the PyTorch formula in eager mode and under ``torch.compile``, and Liger-Kernel when
-it is installed. For every (case, N, provider) it records milliseconds (``triton.testing.do_bench``:
-warm-up, median, L2 flushed), the bytes the case must move (from the tensors' sizes), GB/s and the
-percentage of the measured copy bandwidth, plus a correctness check against eager PyTorch.
+It measures the device-to-device copy bandwidth (the memory-bound speed of light), then
+runs every benchmark case over a sweep of hidden sizes N = 256 … 262,144 with many rows
+(M·N = 2**26 elements per row-sized tensor) and at decode shapes (M = 1, 8, 64 rows of N
+= 4096 and 8192), in bf16 (fp16 on GPUs without bf16), for each provider: this package's
+Triton kernel, the PyTorch formula in eager mode and under ``torch.compile``, and
+Liger-Kernel when it is installed. For every (case, N, provider) it records milliseconds
+(``triton.testing.do_bench``: warm-up, median, L2 flushed), the bytes the case must move
+(from the tensors' sizes), GB/s and the percentage of the measured copy bandwidth, plus
+a correctness check against eager PyTorch.
 
-Results go to a JSON and a CSV file named for the date and the GPU, each carrying its provenance:
-GPU, compute capability, torch/triton/CUDA/Liger versions, date, the command, the git commit.
+Results go to a JSON and a CSV file named for the date and the GPU, each carrying its
+provenance: GPU, compute capability, torch/triton/CUDA/Liger versions, date, the
+command, the git commit.
 
-Each case is a small function that builds its inputs and its providers. A case whose kernel does
-not exist yet (ImportError / AttributeError, or a kernel without a backward) is reported as
-skipped, so that new kernels appear in the results as they land.
+Each case is a small function that builds its inputs and its providers. A case whose
+kernel does not exist yet (ImportError / AttributeError, or a kernel without a backward)
+is reported as skipped, so that new kernels appear in the results as they land.
 
 On a CPU there is no GPU timer. ``--smoke`` then times with the wall clock, in Triton's
-interpreter, only to exercise the code path; it writes to a temporary folder (or ``--out``), never
-to ``data/bench/``, and marks its files ``"smoke": true`` so that no reader mistakes them for GPU
-figures. A full run without a GPU is refused.
+interpreter, only to exercise the code path; it writes to a temporary folder (or
+``--out``), never to ``data/bench/``, and marks its files ``"smoke": true`` so that no
+reader mistakes them for GPU figures. A full run without a GPU is refused.
 
-A row that fails (a provider raising, or a result that does not match eager PyTorch) is printed
-on stderr, listed under ``"errors"`` in the JSON, and makes ``python -m kernels.bench`` exit with
-status 1 (unless only Liger failed). Modules: :mod:`.cases` (shapes, bytes, providers),
-:mod:`.runner` (timing, checks, command line), :mod:`.report` (files, reading runs back).
+A row that fails (a provider raising, or a result that does not match eager PyTorch) is
+printed on stderr, listed under ``"errors"`` in the JSON, and makes ``python -m
+kernels.bench`` exit with status 1 (unless only Liger failed). Modules: :mod:`.cases`
+(shapes, bytes, providers), :mod:`.runner` (timing, checks, command line),
+:mod:`.report` (files, reading runs back).
 """
 
 from .cases import *  # noqa: F401,F403
@@ -34,5 +39,6 @@ from .cases import (_kernel, _liger, _needs_backward, _rand, _rotate_half)  # no
 from .report import *  # noqa: F401,F403
 from .report import _slug  # noqa: F401
 from .runner import *  # noqa: F401,F403
-from .runner import (_as_tuple, _compiled, _max_rel_err, _row, _timed_call)  # noqa: F401
+# noqa: F401
+from .runner import (_as_tuple, _compiled, _max_rel_err, _row, _timed_call)
 from .. import timing  # noqa: F401

@@ -1,8 +1,10 @@
-"""The benchmark's cases: shapes, the bytes each case must move, and the functions compared.
+"""The benchmark's cases: shapes, the bytes each case must move, and the functions
+compared.
 
-Each case is a small function that builds its inputs and its providers (this package's kernel,
-the PyTorch formula as Hugging Face writes it, Liger-Kernel when installed). A case whose kernel
-does not exist yet (ImportError / AttributeError, or a kernel without a backward) raises Skip.
+Each case is a small function that builds its inputs and its providers (this package's
+kernel, the PyTorch formula as Hugging Face writes it, Liger-Kernel when installed). A
+case whose kernel does not exist yet (ImportError / AttributeError, or a kernel without
+a backward) raises Skip.
 """
 
 from __future__ import annotations
@@ -24,39 +26,49 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 DATA_DIR = pathlib.Path(os.environ.get("KERNELS_BENCH_DIR") or ROOT / "data" / "bench")
 
 SWEEP = [256 * 2**i for i in range(11)]  # 256 … 262,144
-ELEMENTS = 2**26                         # elements per row-sized tensor: M = ELEMENTS // N rows
+# elements per row-sized tensor: M = ELEMENTS // N rows
+ELEMENTS = 2**26
 SMOKE_SWEEP = [256, 1024]
 SMOKE_ELEMENTS = 2**12
-HEAD_DIM = 128                           # qk_norm_rope: Qwen3's head_dim; N = heads · HEAD_DIM
+# qk_norm_rope: Qwen3's head_dim; N = heads · HEAD_DIM
+HEAD_DIM = 128
 GQA_GROUP = 4                            # qk_norm_rope: query heads per key head
-# Decode: a few rows (tokens) of a model's hidden size, where a GPU must be filled from few rows.
+# Decode: a few rows (tokens) of a model's hidden size, where a GPU must be filled from
+# few rows.
 DECODE_M = (1, 8, 64)
 DECODE_N = (4096, 8192)
 SMOKE_DECODE = [(1, 1024)]         # the smoke run's decode shape: one row
-DECODE_CACHE = 4096                # decode_attention in the inspector: cached tokens per row
+# decode_attention in the inspector: cached tokens per row
+DECODE_CACHE = 4096
 DECODE_PAGE = 16                   # and its paged cache's block size (vLLM's default)
 PROVIDERS = ["kernels", "torch eager", "torch.compile", "liger"]
-DO_BENCH = "triton.testing.do_bench (warm-up, median of many runs, L2 flushed before each)"
-WALL_CLOCK = "wall clock in Triton's CPU interpreter (smoke run: exercises the code, not a GPU figure)"
+DO_BENCH = ("triton.testing.do_bench (warm-up, median of many runs, "
+            "L2 flushed before each)")
+WALL_CLOCK = ("wall clock in Triton's CPU interpreter "
+              "(smoke run: exercises the code, not a GPU figure)")
 
-#: The chapter's targets for bf16 and N >= 4096, as fractions of the measured copy bandwidth.
+#: The chapter's targets for bf16 and N >= 4096, as fractions of the measured copy
+#: bandwidth.
 TARGETS = {"forward": 0.90, "fused add": 0.85, "backward": 0.80}
 TARGET_MIN_N = 4096
 
 
 class Skip(Exception):
-    """A case (or a provider) that cannot run here: a kernel not written yet, a missing package."""
+    """A case (or a provider) that cannot run here: a kernel not written yet, a missing
+    package."""
 
 
 # ---------------------------------------------------------------- the cases
 
 @dataclass
 class Problem:
-    """One benchmark instance: inputs, the functions that compute the same thing, and its bytes.
+    """One benchmark instance: inputs, the functions that compute the same thing, and
+    its bytes.
 
-    Every provider is called as ``fn(*inputs)``. For a backward case, the inputs at ``wrt`` get
-    ``requires_grad`` and the timed call is the backward of ``fn(*inputs)`` with ``grad_outputs``.
-    ``nbytes`` counts each tensor that must be read or written once (timing.bytes_moved).
+    Every provider is called as ``fn(*inputs)``. For a backward case, the inputs at
+    ``wrt`` get ``requires_grad`` and the timed call is the backward of ``fn(*inputs)``
+    with ``grad_outputs``. ``nbytes`` counts each tensor that must be read or written
+    once (timing.bytes_moved).
     """
 
     inputs: tuple
@@ -64,9 +76,11 @@ class Problem:
     ours: Callable
     formula: Callable
     liger: Callable | None = None      # None: Liger has no such kernel
-    wrt: tuple[int, ...] = ()          # backward cases: positions of the inputs to differentiate
+    # backward cases: positions of the inputs to differentiate
+    wrt: tuple[int, ...] = ()
     grad_outputs: tuple = ()
-    shape: str = ""                    # how the row-sized tensors are laid out, for the record
+    # how the row-sized tensors are laid out, for the record
+    shape: str = ""
 
 
 @dataclass
@@ -75,8 +89,9 @@ class Case:
     direction: str                     # "forward" | "backward"
     build: Callable[[int, int, torch.dtype, torch.device], Problem]
     target: str = ""                   # key of TARGETS
-    # Its own (M, N, regime) shapes, given smoke: True/False, instead of the sweep and the
-    # decode shapes (decode_attention: M requests, N cached tokens each). None: the default.
+    # Its own (M, N, regime) shapes, given smoke: True/False, instead of the sweep and
+    # the decode shapes (decode_attention: M requests, N cached tokens each). None: the
+    # default.
     shapes: Callable[[bool], list] | None = None
 
     @property
@@ -94,25 +109,32 @@ def _kernel(name: str):
 
 
 def _liger(module: str, attr: str):
-    """A Liger-Kernel autograd Function, or Skip when Liger is not installed (or lacks it)."""
+    """A Liger-Kernel autograd Function, or Skip when Liger is not installed (or lacks
+    it)."""
     if importlib.util.find_spec("liger_kernel") is None:
         raise Skip("liger-kernel is not installed")
     try:
         return getattr(importlib.import_module(f"liger_kernel.ops.{module}"), attr)
-    except Exception as exc:  # an old Liger without the op, or one that fails to import here
-        raise Skip(f"liger_kernel.ops.{module}.{attr} unavailable ({type(exc).__name__})") from exc
+    # an old Liger without the op, or one that fails to import here
+    except Exception as exc:
+        raise Skip(f"liger_kernel.ops.{module}.{attr} unavailable "
+                   f"({type(exc).__name__})") from exc
 
 
 def _rand(*shape, dtype, device, scale=1.0):
-    """Random normal values: never zeros (a kernel on zeros is trivially 'right', and flatters)."""
+    """Random normal values: never zeros (a kernel on zeros is trivially 'right', and
+    flatters)."""
     return (torch.randn(*shape, device=device, dtype=torch.float32) * scale).to(dtype)
 
 
 def _needs_backward(fn, *inputs):
-    """Raise Skip if ``fn`` is not differentiable through autograd (its backward not written yet)."""
+    """Raise Skip if ``fn`` is not differentiable through autograd (its backward not
+    written yet)."""
     probe = [(t.detach()[:1] if t.dim() > 1 else t.detach()).clone()
-             .requires_grad_(t.is_floating_point())  # integer inputs (targets) take no gradient
-             if isinstance(t, torch.Tensor) else t for t in inputs]  # one row is enough to ask
+             # integer inputs (targets) take no gradient
+             .requires_grad_(t.is_floating_point())
+             # one row is enough to ask
+             if isinstance(t, torch.Tensor) else t for t in inputs]
     out = fn(*probe)
     out = out if isinstance(out, tuple) else (out,)
     if not any(isinstance(o, torch.Tensor) and o.grad_fn is not None for o in out):
@@ -123,7 +145,8 @@ def _needs_backward(fn, *inputs):
 
 def torch_rms_norm(x, weight, eps=1e-6):
     xf = x.to(torch.float32)
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1,
+                                                     keepdim=True) + eps)).to(x.dtype)
 
 
 def torch_layer_norm(x, weight, bias, eps=1e-5):
@@ -149,7 +172,8 @@ def torch_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=1e-6):
 def _liger_rms_norm():
     fn = _liger("rms_norm", "LigerRMSNormFunction")
     if "in_place" in inspect.signature(fn.forward).parameters:
-        # in_place=False: the default overwrites dy with dx, which would change the timed data.
+        # in_place=False: the default overwrites dy with dx, which would change the
+        # timed data.
         return lambda x, w: fn.apply(x, w, 1e-6, 0.0, "llama", False)
     return lambda x, w: fn.apply(x, w, 1e-6)
 
@@ -163,7 +187,8 @@ def build_rms_norm(M, N, dtype, device, backward=False):
         liger = exc
     if not backward:
         y = torch.empty_like(x)
-        return Problem((x, w), timing.bytes_moved(x, w, y), lambda x, w: ours(x, w, 1e-6),
+        return Problem((x, w), timing.bytes_moved(x, w, y), lambda x,
+                       w: ours(x, w, 1e-6),
                        torch_rms_norm, liger, shape=f"x ({M}, {N})")
     _needs_backward(lambda x, w: ours(x, w, 1e-6), x, w)
     dy = _rand(M, N, dtype=dtype, device=device)
@@ -184,12 +209,14 @@ def build_layer_norm(M, N, dtype, device, backward=False):
         liger = exc
     call = lambda x, w, b: ours(x, w, b, 1e-5)  # noqa: E731
     if not backward:
-        return Problem((x, w, b), timing.bytes_moved(x, w, b, torch.empty_like(x)), call,
+        return Problem((x, w, b), timing.bytes_moved(x, w, b, torch.empty_like(x)),
+                       call,
                        torch_layer_norm, liger, shape=f"x ({M}, {N})")
     _needs_backward(call, x, w, b)
     dy = _rand(M, N, dtype=dtype, device=device)
     # Must move: read x, w, dy (b is not needed); write dx, dw and db.
-    nbytes = timing.bytes_moved(x, w, dy, torch.empty_like(x), torch.empty_like(w), torch.empty_like(b))
+    nbytes = timing.bytes_moved(x, w, dy, torch.empty_like(x), torch.empty_like(w),
+                                torch.empty_like(b))
     return Problem((x, w, b), nbytes, call, torch_layer_norm, liger,
                    wrt=(0, 1, 2), grad_outputs=(dy,), shape=f"x ({M}, {N})")
 
@@ -212,29 +239,37 @@ def build_fused_add_rms_norm(M, N, dtype, device, backward=False):
         dh = _rand(M, N, dtype=dtype, device=device)
         # Must move: read h (saved), w, dy and the residual stream's gradient dh; write
         # the gradient of x + residual (one tensor for both) and dw.
-        nbytes = timing.bytes_moved(x, w, dy, dh, torch.empty_like(x), torch.empty_like(w))
+        nbytes = timing.bytes_moved(x, w, dy, dh, torch.empty_like(x),
+                                    torch.empty_like(w))
         return Problem((x, r, w), nbytes, call, torch_fused_add_rms_norm, liger,
                        wrt=(0, 1, 2), grad_outputs=(dy, dh), shape=shape)
     # Must move: read x, residual, w; write y and residual_out.
     nbytes = timing.bytes_moved(x, r, w, torch.empty_like(x), torch.empty_like(x))
-    return Problem((x, r, w), nbytes, call, torch_fused_add_rms_norm, liger, shape=shape)
+    return Problem((x, r, w), nbytes, call, torch_fused_add_rms_norm, liger,
+                   shape=shape)
 
 
 def build_qk_norm_rope(M, N, dtype, device):
-    """M tokens; N = n_heads · head_dim for the queries, a quarter as many key heads (GQA)."""
+    """M tokens; N = n_heads · head_dim for the queries, a quarter as many key heads
+    (GQA)."""
     ours = _kernel("qk_norm_rope")
     hq = max(1, N // HEAD_DIM)
     hk = max(1, hq // GQA_GROUP)
     q = _rand(1, M, hq, HEAD_DIM, dtype=dtype, device=device)
     k = _rand(1, M, hk, HEAD_DIM, dtype=dtype, device=device)
-    qw, kw = _rand(HEAD_DIM, dtype=dtype, device=device), _rand(HEAD_DIM, dtype=dtype, device=device)
-    angles = torch.arange(M, device=device, dtype=torch.float32)[:, None] * torch.rand(HEAD_DIM // 2, device=device)
+    qw, kw = _rand(HEAD_DIM, dtype=dtype, device=device), _rand(HEAD_DIM, dtype=dtype,
+                                                                device=device)
+    angles = torch.arange(M, device=device,
+                          dtype=torch.float32)[:, None] * torch.rand(HEAD_DIM // 2,
+                                                                     device=device)
     angles = torch.cat([angles, angles], dim=-1)[None]
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     # Must move: read q, k, both weights, cos, sin; write q_out and k_out.
-    nbytes = timing.bytes_moved(q, k, qw, kw, cos, sin, torch.empty_like(q), torch.empty_like(k))
+    nbytes = timing.bytes_moved(q, k, qw, kw, cos, sin, torch.empty_like(q),
+                                torch.empty_like(k))
     return Problem((q, k, qw, kw, cos, sin), nbytes,
-                   lambda q, k, qw, kw, c, s: ours(q, k, qw, kw, c, s, 1e-6), torch_qk_norm_rope,
+                   lambda q, k, qw, kw, c, s: ours(q, k, qw, kw, c, s, 1e-6),
+                   torch_qk_norm_rope,
                    Skip("Liger has no fused QK-Norm + RoPE"),
                    shape=f"q (1, {M}, {hq}, {HEAD_DIM}), k (1, {M}, {hk}, {HEAD_DIM})")
 
@@ -249,7 +284,8 @@ def build_softmax(M, N, dtype, device, backward=False):
     except Skip as exc:
         liger = exc
     if not backward:
-        return Problem((x,), timing.bytes_moved(x, torch.empty_like(x)), ours, formula, liger,
+        return Problem((x,), timing.bytes_moved(x, torch.empty_like(x)), ours, formula,
+                       liger,
                        shape=f"x ({M}, {N})")
     _needs_backward(ours, x)
     dy = _rand(M, N, dtype=dtype, device=device)
@@ -274,11 +310,13 @@ def build_cross_entropy(M, N, dtype, device, backward=False):
     # Must move: read the logits (and targets); write their gradient.
     nbytes = timing.bytes_moved(x, target, torch.empty_like(x))
     return Problem((x, target), nbytes, ours, formula, liger, wrt=(0,),
-                   grad_outputs=(torch.ones((), device=device),), shape=f"logits ({M}, {N})")
+                   grad_outputs=(torch.ones((), device=device),),
+                   shape=f"logits ({M}, {N})")
 
 
 def build_attention(M, N, dtype, device):
-    """M tokens in sequences of at most 4096 (causal), N = n_heads · head_dim, GQA as above."""
+    """M tokens in sequences of at most 4096 (causal), N = n_heads · head_dim, GQA as
+    above."""
     ours = _kernel("attention")
     hq = max(1, N // HEAD_DIM)
     hk = max(1, hq // GQA_GROUP)
@@ -294,16 +332,19 @@ def build_attention(M, N, dtype, device):
 
     # Must move: read q, k, v; write the output (no score matrix).
     nbytes = timing.bytes_moved(q, k, v, torch.empty_like(q))
-    return Problem((q, k, v), nbytes, lambda q, k, v: ours(q, k, v, causal="top_left"), formula,
+    return Problem((q, k, v), nbytes, lambda q, k, v: ours(q, k, v, causal="top_left"),
+                   formula,
                    Skip("Liger has no attention kernel"),
-                   shape=f"q ({batch}, {hq}, {seq}, {HEAD_DIM}), k, v ({batch}, {hk}, {seq}, {HEAD_DIM})")
+                   shape=f"q ({batch}, {hq}, {seq}, {HEAD_DIM}), k, v ({batch}, {hk}, "
+                   f"{seq}, {HEAD_DIM})")
 
 
 def build_attention_backward(M, N, dtype, device):
     """The backward of build_attention's causal GQA attention (dq, dk, dv). The runner
-    times the backward alone; its useful work is the four products of a backward that had
-    P (dV, dP, dQ, dK: 4 · 2·seq²·d flops per head, halved by the causal mask), recorded
-    in ``shape``: TFLOP/s = flop / time, against SDPA's backward on the same inputs."""
+    times the backward alone; its useful work is the four products of a backward that
+    had P (dV, dP, dQ, dK: 4 · 2·seq²·d flops per head, halved by the causal mask),
+    recorded in ``shape``: TFLOP/s = flop / time, against SDPA's backward on the same
+    inputs."""
     problem = build_attention(M, N, dtype, device)
     q, k, v = problem.inputs
     _needs_backward(problem.ours, q, k, v)
@@ -318,17 +359,20 @@ def build_attention_backward(M, N, dtype, device):
 
 
 def build_sample(M, N, dtype, device):
-    """Greedy sampling (temperature 0), so that the eager formula, argmax, gives the same tokens."""
+    """Greedy sampling (temperature 0), so that the eager formula, argmax, gives the
+    same tokens."""
     ours = _kernel("sample")
     x = _rand(M, N, dtype=dtype, device=device)
     # Must move: read the logits; write one index per row.
     nbytes = timing.bytes_moved(x, torch.empty(M, dtype=torch.int64, device=device))
-    return Problem((x,), nbytes, lambda x: ours(x, temperature=0.0), lambda x: x.argmax(-1),
+    return Problem((x,), nbytes, lambda x: ours(x, temperature=0.0),
+                   lambda x: x.argmax(-1),
                    Skip("Liger has no sampling kernel"), shape=f"logits ({M}, {N})")
 
 
 # ---- decode attention (issue 19): M requests of N cached tokens each, Qwen3-8B's heads
-DECODE_ATTENTION_HEADS = (32, 8)                  # query heads, k/v heads (head_dim HEAD_DIM)
+# query heads, k/v heads (head_dim HEAD_DIM)
+DECODE_ATTENTION_HEADS = (32, 8)
 DECODE_ATTENTION_LENGTHS = (1024, 4096, 16384, 32768)
 
 
@@ -339,36 +383,47 @@ def decode_attention_shapes(smoke: bool) -> list:
 
 
 def build_decode_attention(M, N, dtype, device):
-    """One new token per request over a full contiguous cache of N tokens: SDPA over the same
-    cache (one query sees every key: no mask needed) is the formula."""
+    """One new token per request over a full contiguous cache of N tokens: SDPA over the
+    same cache (one query sees every key: no mask needed) is the formula."""
     ours = _kernel("decode_attention")
-    hq, hk = DECODE_ATTENTION_HEADS if N > 256 else (8, 2)  # the smoke run: a small model
+    # the smoke run: a small model
+    hq, hk = DECODE_ATTENTION_HEADS if N > 256 else (8, 2)
     q = _rand(M, hq, 1, HEAD_DIM, dtype=dtype, device=device)
     k = _rand(M, hk, N, HEAD_DIM, dtype=dtype, device=device)
     v = _rand(M, hk, N, HEAD_DIM, dtype=dtype, device=device)
     lens = torch.full((M,), N, dtype=torch.int32, device=device)
 
     def formula(q, k, v, lens):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v,
+                                                                enable_gqa=True)
 
     # Must move: read q and the whole cache; write the output.
     nbytes = timing.bytes_moved(q, k, v, torch.empty_like(q))
     return Problem((q, k, v, lens), nbytes, ours, formula,
                    Skip("Liger has no decode attention kernel"),
-                   shape=f"q ({M}, {hq}, 1, {HEAD_DIM}), k, v ({M}, {hk}, {N}, {HEAD_DIM})")
+                   shape=f"q ({M}, {hq}, 1, {HEAD_DIM}), k, v ({M}, {hk}, {N}, "
+                   f"{HEAD_DIM})")
 
 
 CASES = [
-    Case("rms_norm", "forward", lambda M, N, dt, dev: build_rms_norm(M, N, dt, dev), "forward"),
-    Case("rms_norm", "backward", lambda M, N, dt, dev: build_rms_norm(M, N, dt, dev, True), "backward"),
-    Case("layer_norm", "forward", lambda M, N, dt, dev: build_layer_norm(M, N, dt, dev), "forward"),
-    Case("layer_norm", "backward", lambda M, N, dt, dev: build_layer_norm(M, N, dt, dev, True), "backward"),
+    Case("rms_norm", "forward", lambda M, N, dt, dev: build_rms_norm(M, N, dt, dev),
+         "forward"),
+    Case("rms_norm", "backward", lambda M, N, dt,
+         dev: build_rms_norm(M, N, dt, dev, True), "backward"),
+    Case("layer_norm", "forward", lambda M, N, dt, dev: build_layer_norm(M, N, dt, dev),
+         "forward"),
+    Case("layer_norm", "backward", lambda M, N, dt,
+         dev: build_layer_norm(M, N, dt, dev, True), "backward"),
     Case("fused_add_rms_norm", "forward", build_fused_add_rms_norm, "fused add"),
     Case("qk_norm_rope", "forward", build_qk_norm_rope, "forward"),
-    Case("softmax", "forward", lambda M, N, dt, dev: build_softmax(M, N, dt, dev), "forward"),
-    Case("softmax", "backward", lambda M, N, dt, dev: build_softmax(M, N, dt, dev, True), "backward"),
-    Case("cross_entropy", "forward", lambda M, N, dt, dev: build_cross_entropy(M, N, dt, dev)),
-    Case("cross_entropy", "backward", lambda M, N, dt, dev: build_cross_entropy(M, N, dt, dev, True)),
+    Case("softmax", "forward", lambda M, N, dt, dev: build_softmax(M, N, dt, dev),
+         "forward"),
+    Case("softmax", "backward", lambda M, N, dt,
+         dev: build_softmax(M, N, dt, dev, True), "backward"),
+    Case("cross_entropy", "forward", lambda M, N, dt,
+         dev: build_cross_entropy(M, N, dt, dev)),
+    Case("cross_entropy", "backward", lambda M, N, dt,
+         dev: build_cross_entropy(M, N, dt, dev, True)),
     Case("attention", "forward", build_attention),
     Case("attention", "backward", build_attention_backward),
     Case("sample", "forward", build_sample),
@@ -382,11 +437,12 @@ CASES = [
 
 
 
-# ---------------------------------------------------------------- swiglu, linear_cross_entropy
-# (one block: branch train)
+# ---------------------------------------------------------------- swiglu,
+# linear_cross_entropy (one block: branch train)
 
 def torch_swiglu(gate, up):
-    """The MLP's gate as Hugging Face writes it: ``act_fn(gate_proj(x)) * up_proj(x)``."""
+    """The MLP's gate as Hugging Face writes it: ``act_fn(gate_proj(x)) *
+    up_proj(x)``."""
     return torch.nn.functional.silu(gate) * up
 
 
@@ -409,13 +465,16 @@ def build_swiglu(M, N, dtype, device, backward=False):
     dy = _rand(M, N, dtype=dtype, device=device)
     # Must move: read g, u and dy; write dg and du.
     nbytes = timing.bytes_moved(g, u, dy, torch.empty_like(g), torch.empty_like(u))
-    liger = Skip("not compared: Liger's SiLU-mul backward overwrites its saved inputs in place")
-    return Problem((g, u), nbytes, ours, torch_swiglu, liger, wrt=(0, 1), grad_outputs=(dy,),
+    liger = Skip("not compared: Liger's SiLU-mul backward overwrites its saved inputs "
+                 "in place")
+    return Problem((g, u), nbytes, ours, torch_swiglu, liger, wrt=(0, 1),
+                   grad_outputs=(dy,),
                    shape=shape)
 
 
 CASES += [
-    Case("swiglu", "forward", lambda M, N, dt, dev: build_swiglu(M, N, dt, dev), "forward"),
+    Case("swiglu", "forward", lambda M, N, dt, dev: build_swiglu(M, N, dt, dev),
+         "forward"),
     Case("swiglu", "backward", lambda M, N, dt, dev: build_swiglu(M, N, dt, dev, True),
          "backward"),
 ]
@@ -426,11 +485,12 @@ LCE_SHAPE = (8192, 151_936, 4096)
 
 def measure_linear_cross_entropy(timer, device, dtype=torch.bfloat16, shape=LCE_SHAPE):
     """Forward + backward of the LM-head loss at ``shape`` = (M, V, d), three ways: this
-    package's ``linear_cross_entropy``, the materialized ``F.linear`` + ``kernels.cross_entropy``,
-    and Liger's fused linear cross-entropy when installed. One row each: time (``timer`` of a
-    zero-argument callable, ms), the peak memory beyond inputs and gradients (on a GPU
-    ``torch.cuda.max_memory_allocated``; on the CPU the largest storage an op allocated,
-    labelled so), both against the logits' size, and the loss against the materialized one."""
+    package's ``linear_cross_entropy``, the materialized ``F.linear`` +
+    ``kernels.cross_entropy``, and Liger's fused linear cross-entropy when installed.
+    One row each: time (``timer`` of a zero-argument callable, ms), the peak memory
+    beyond inputs and gradients (on a GPU ``torch.cuda.max_memory_allocated``; on the
+    CPU the largest storage an op allocated, labelled so), both against the logits'
+    size, and the loss against the materialized one."""
     import kernels
     from kernels.linear_cross_entropy import largest_intermediate
 
@@ -445,7 +505,8 @@ def measure_linear_cross_entropy(timer, device, dtype=torch.bfloat16, shape=LCE_
     def materialized(h, w, t):
         return kernels.cross_entropy(torch.nn.functional.linear(h, w), t)
 
-    providers = {"kernels": kernels.linear_cross_entropy, "F.linear + kernels.cross_entropy":
+    providers = {"kernels": kernels.linear_cross_entropy,
+                 "F.linear + kernels.cross_entropy":
                  materialized}
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
@@ -457,7 +518,8 @@ def measure_linear_cross_entropy(timer, device, dtype=torch.bfloat16, shape=LCE_
     want = None
     rows = []
     for name, fn in providers.items():
-        row = {"kernel": "linear_cross_entropy", "provider": name, "M": M, "V": V, "d": d,
+        row = {"kernel": "linear_cross_entropy", "provider": name, "M": M, "V": V,
+               "d": d,
                "dtype": str(dtype).replace("torch.", ""), "logits_bytes": logits_bytes}
         if isinstance(fn, Skip):
             rows.append({**row, "status": "skipped", "note": str(fn)})
@@ -482,7 +544,8 @@ def measure_linear_cross_entropy(timer, device, dtype=torch.bfloat16, shape=LCE_
                 how = "CPU: largest storage one op allocated (not a peak of the sum)"
             ms = float(timer(step))
         except Exception as exc:  # e.g. out of memory for the materialized logits
-            rows.append({**row, "status": "error", "note": f"{type(exc).__name__}: {exc}"[:200]})
+            rows.append({**row, "status": "error",
+                         "note": f"{type(exc).__name__}: {exc}"[:200]})
             continue
         loss = float(loss.detach())
         want = loss if want is None else want
@@ -498,8 +561,9 @@ def linear_cross_entropy_shapes(smoke: bool) -> list:
 
 
 def build_linear_cross_entropy(M, N, dtype, device):
-    """M tokens of width d = N through a head of V words (Qwen3's 151,936; 1,000 when the
-    head is tiny): the backward of the mean loss. Peak memory: measure_linear_cross_entropy."""
+    """M tokens of width d = N through a head of V words (Qwen3's 151,936; 1,000 when
+    the head is tiny): the backward of the mean loss. Peak memory:
+    measure_linear_cross_entropy."""
     ours = _kernel("linear_cross_entropy")
     V = LCE_SHAPE[1] if N >= 1024 else 1000
     h = _rand(M, N, dtype=dtype, device=device)

@@ -1,4 +1,5 @@
-"""The benchmark's files: CSV/JSON with provenance, and reading recorded GPU runs back."""
+"""The benchmark's files: CSV/JSON with provenance, and reading recorded GPU runs
+back."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from .cases import CASES, DATA_DIR, DO_BENCH, PROVIDERS, ROOT, TARGET_MIN_N, TAR
 
 # ---------------------------------------------------------------- files
 
-CSV_FIELDS = ["kernel", "direction", "provider", "regime", "M", "N", "shape", "dtype", "bytes", "ms", "GB/s", "pct_of_copy",
-              "status", "check", "note", "gpu", "torch", "triton", "date", "copy_GB/s", "smoke"]
+CSV_FIELDS = ["kernel", "direction", "provider", "regime", "M", "N", "shape", "dtype",
+              "bytes", "ms", "GB/s", "pct_of_copy", "status", "check", "note", "gpu",
+              "torch", "triton", "date", "copy_GB/s", "smoke"]
 
 
 def _slug(text: str) -> str:
@@ -23,9 +25,10 @@ def _slug(text: str) -> str:
 def write_results(out_dir: pathlib.Path, prov: dict, copy: dict, rows: list[dict],
                   errors: list[dict] = (), complete: bool = True,
                   cut: str | None = None) -> tuple[pathlib.Path, pathlib.Path]:
-    """Write (or rewrite) the run's JSON and CSV. Each file is replaced whole (written beside,
-    then renamed), so that a process stopped at any moment leaves the last complete version.
-    ``complete`` False with ``cut`` says the run was stopped and where."""
+    """Write (or rewrite) the run's JSON and CSV. Each file is replaced whole (written
+    beside, then renamed), so that a process stopped at any moment leaves the last
+    complete version. ``complete`` False with ``cut`` says the run was stopped and
+    where."""
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = prov["date"].replace(":", "").replace("-", "").replace("+0000", "Z")
     stem = f"{stamp}_{_slug(prov['gpu'])}" + ("_smoke" if prov["smoke"] else "")
@@ -41,8 +44,10 @@ def write_results(out_dir: pathlib.Path, prov: dict, copy: dict, rows: list[dict
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
         writer.writeheader()
         for r in rows:
-            writer.writerow({**r, "dtype": prov["dtype"], "gpu": prov["gpu"], "torch": prov["torch"],
-                             "triton": prov["triton"], "date": prov["date"], "copy_GB/s": copy["GB/s"],
+            writer.writerow({**r, "dtype": prov["dtype"], "gpu": prov["gpu"],
+                             "torch": prov["torch"],
+                             "triton": prov["triton"], "date": prov["date"],
+                             "copy_GB/s": copy["GB/s"],
                              "smoke": prov["smoke"]})
     tmp.replace(csv_path)
     return json_path, csv_path
@@ -51,8 +56,9 @@ def write_results(out_dir: pathlib.Path, prov: dict, copy: dict, rows: list[dict
 def load_runs(folder: pathlib.Path | str | None = None) -> list[dict]:
     """Every recorded GPU run in ``folder`` (default data/bench/), oldest first.
 
-    Only files written by a full run on a CUDA GPU count: smoke runs, interpreter runs and files
-    without provenance are ignored, so that no figure can come from anything but a GPU.
+    Only files written by a full run on a CUDA GPU count: smoke runs, interpreter runs
+    and files without provenance are ignored, so that no figure can come from anything
+    but a GPU.
     """
     folder = DATA_DIR if folder is None else pathlib.Path(folder)
     runs = []
@@ -62,7 +68,8 @@ def load_runs(folder: pathlib.Path | str | None = None) -> list[dict]:
             prov = run_["provenance"]
         except (ValueError, KeyError, TypeError):
             continue
-        if prov.get("smoke") or prov.get("interpreter") or not str(prov.get("device", "")).startswith("cuda"):
+        on_gpu = str(prov.get("device", "")).startswith("cuda")
+        if prov.get("smoke") or prov.get("interpreter") or not on_gpu:
             continue
         if prov.get("timer") != DO_BENCH or not run_.get("results"):
             continue
@@ -77,14 +84,16 @@ def label(run_: dict) -> str:
     cuda = f" · CUDA {p['cuda']}" if p.get("cuda") else ""
     cut = " · stopped by its budget" if run_.get("complete") is False else ""
     return (
-        f"{p['gpu']} · torch {p['torch']} · triton {p['triton']}{cuda} · {p['dtype']} · "
+        f"{p['gpu']} · torch {p['torch']} · triton {p['triton']}{cuda} · {p['dtype']} "
+        "· "
         f"{p['date'][:10]} · copy {run_['copy']['GB/s']:.0f} GB/s{cut}"
     )
 
 
 def comparison(run_: dict) -> dict | None:
     """The measured-against-predicted table recorded with a run (``tools/gpu_check.py``
-    writes it; ``--record`` keeps it in ``data/bench/<run>/measured_vs_predicted.json``).
+    writes it; ``--record`` keeps it in
+    ``data/bench/<run>/measured_vs_predicted.json``).
     """
     path = (
         pathlib.Path(run_.get("path", "")).with_suffix("")
@@ -100,9 +109,9 @@ def recorded_lines(
     kernels: set[str], directions: set[str], run_: dict | None = None
 ) -> list[str]:
     """What the latest recorded GPU run measured for these kernels (names of
-    :data:`CASES` kernels) and directions: one line per shape, our kernel's ms and % of the
-    copy bandwidth, the prediction beside it where one was recorded, and the other providers'
-    ms. Empty when no run is recorded or it has no such rows."""
+    :data:`CASES` kernels) and directions: one line per shape, our kernel's ms and % of
+    the copy bandwidth, the prediction beside it where one was recorded, and the other
+    providers' ms. Empty when no run is recorded or it has no such rows."""
     if run_ is None:
         runs = load_runs()
         if not runs:
@@ -162,22 +171,26 @@ def recorded_lines(
 
 
 def summary(run_: dict) -> list[dict]:
-    """Per case and provider: the lowest % of copy bandwidth for N >= TARGET_MIN_N, and whether
-    the Triton kernel is at least as fast as torch.compile on every shape."""
+    """Per case and provider: the lowest % of copy bandwidth for N >= TARGET_MIN_N, and
+    whether the Triton kernel is at least as fast as torch.compile on every shape."""
     # The sweep's rows (many rows per shape); decode shapes are read separately.
-    ok = [r for r in run_["results"] if r["status"] == "ok" and r.get("regime", "sweep") in ("sweep", "")]
+    ok = [r for r in run_["results"]
+          if r["status"] == "ok" and r.get("regime", "sweep") in ("sweep", "")]
     out = []
     for kernel, direction in dict.fromkeys((r["kernel"], r["direction"]) for r in ok):
-        case = next((c for c in CASES if c.kernel == kernel and c.direction == direction), None)
+        case = next((c for c in CASES if c.kernel == kernel
+                     and c.direction == direction), None)
         target = TARGETS.get(case.target) if case else None
         rows = [r for r in ok if (r["kernel"], r["direction"]) == (kernel, direction)]
         compiled = {r["N"]: r["ms"] for r in rows if r["provider"] == "torch.compile"}
         for provider in dict.fromkeys(r["provider"] for r in rows):
             mine = [r for r in rows if r["provider"] == provider]
-            big = [r["pct_of_copy"] for r in mine if r["N"] >= TARGET_MIN_N and r["pct_of_copy"] is not None]
+            big = [r["pct_of_copy"] for r in mine
+                   if r["N"] >= TARGET_MIN_N and r["pct_of_copy"] is not None]
             entry = {"kernel": kernel, "direction": direction, "provider": provider,
                      "min % of copy (N >= 4096)": min(big) if big else None,
-                     "target %": 100 * target if target and provider == "kernels" else None}
+                     "target %": 100 * target if target and provider == "kernels"
+                     else None}
             if provider == "kernels" and compiled:
                 entry["as fast as torch.compile on every N"] = all(
                     r["ms"] <= compiled[r["N"]] for r in mine if r["N"] in compiled)
@@ -186,19 +199,23 @@ def summary(run_: dict) -> list[dict]:
 
 
 def plot_run(run_: dict):
-    """One panel per case: GB/s against N for every provider, the copy bandwidth as a line."""
+    """One panel per case: GB/s against N for every provider, the copy bandwidth as a
+    line."""
     import matplotlib.pyplot as plt
 
-    ok = [r for r in run_["results"] if r["status"] == "ok" and r.get("regime", "sweep") in ("sweep", "")]
+    ok = [r for r in run_["results"]
+          if r["status"] == "ok" and r.get("regime", "sweep") in ("sweep", "")]
     cases = list(dict.fromkeys((r["kernel"], r["direction"]) for r in ok))
-    cols = 1  # one panel per row: legible on a phone (see kernels.notebook._sharp_figures)
+    # one panel per row: legible on a phone (see kernels.notebook._sharp_figures)
+    cols = 1
     rows_ = math.ceil(len(cases) / cols) if cases else 1
     fig, axes = plt.subplots(rows_, cols, figsize=(6.4, 3.6 * rows_), squeeze=False)
     copy = run_["copy"]["GB/s"]
     for ax, (kernel, direction) in zip(axes.flat, cases):
         for provider in PROVIDERS:
             pts = sorted((r["N"], r["GB/s"]) for r in ok
-                         if (r["kernel"], r["direction"], r["provider"]) == (kernel, direction, provider))
+                         if (r["kernel"], r["direction"],
+                             r["provider"]) == (kernel, direction, provider))
             if pts:
                 ax.plot(*zip(*pts), marker="o", ms=3, label=provider)
         ax.axhline(copy, color="k", ls="--", lw=1, label="copy (measured)")
