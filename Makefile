@@ -1,16 +1,20 @@
 # The two commands of the README:
 #   make book   set up .venv, build the HTML book with every chapter executed
 #   make test   set up .venv (and Chromium, where it can), run the whole test suite
+#   make test-quick   the edit loop (minutes): kernels at small sizes, prose and width checks;
+#                     no chapter executed, no browser, no inspector
 # Neither needs a GPU: without one, kernels run in Triton's interpreter on the CPU.
-#   make gpu-check   on a CUDA GPU only: tests, chapters, benchmark and inspector on the GPU,
-#                    results with their provenance into data/bench/ (tools/gpu_check.py)
+#   make gpu-check   on a CUDA GPU only, with the machine's own Python (nothing installed):
+#                    benchmark, kernel tests, inspector and chapters, each under a budget
+#                    (tools/gpu_check.py; `python3 tools/gpu_check.py --dry-run` rehearses it)
+#   make gpu-wheels  beforehand, where pip reaches the index: the wheels the GPU machine lacks
 
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 
-.PHONY: book test gpu-check setup browser clean
+.PHONY: book test test-quick gpu-check gpu-wheels setup browser clean
 
 setup: $(STAMP)
 
@@ -21,8 +25,12 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 
+# The chapters are executed first, one kernel per core, into the build's execution cache (a
+# failing chapter stops here); the build then renders them (_config.yml: execute_notebooks: cache).
+# Unchanged chapters on unchanged kernels/ are not executed again (tools/execute_chapters.py).
 book: $(STAMP)
 	$(PY) tools/sync_setup_cells.py --check
+	$(PY) tools/execute_chapters.py
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going --builder html
 	@echo "Book built: file://$(CURDIR)/_build/html/index.html"
 
@@ -34,12 +42,27 @@ browser:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	  else echo "Chromium not found and cannot be installed here: browser tests will be skipped"; fi; }
 
-test: $(STAMP) browser
-	$(PY) -m pytest
+# One worker per core (pytest-xdist). The chapters, their HTML and the inspector's compile run
+# once, in background processes, while the kernel tests run (tests/run_once.py); the browser
+# tests of a page share a worker (--dist loadgroup). REQUIRE_BOOK: a missing book package fails
+# the run instead of skipping its tests.
+PYTEST_WORKERS ?= -n auto --dist loadgroup
 
-# Refuses (exit 2) on a machine without a CUDA GPU; about 10 minutes on one H100-class GPU.
-gpu-check: $(STAMP) browser
-	$(PY) tools/gpu_check.py
+test: $(STAMP) browser
+	REQUIRE_BOOK=1 $(PY) -m pytest $(PYTEST_WORKERS)
+
+test-quick: $(STAMP)
+	$(PY) -m pytest $(PYTEST_WORKERS) --quick
+
+# Refuses (exit 2) on a machine without a CUDA GPU; at most 8 minutes on one (the budgets of
+# tools/gpu_check.py). No venv, no pip, no apt-get: it must run offline on the GPU machine.
+gpu-check:
+	$(PYTHON) tools/gpu_check.py
+
+# Into .whl/ (ignored): nbformat, nbclient, ipykernel, plotly and what they need, for CPython
+# 3.12 on manylinux x86_64, less what the GPU machine already has; gpu-check installs them.
+gpu-wheels:
+	$(PYTHON) tools/gpu_check.py --download-wheels
 
 clean:
 	rm -rf _build

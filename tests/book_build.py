@@ -9,6 +9,7 @@ results; browser tests read the HTML. So each chapter runs once in the whole sui
 from __future__ import annotations
 
 import concurrent.futures
+import importlib.util
 import os
 import re
 import pathlib
@@ -16,12 +17,11 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
-import nbformat
 import yaml
-from nbclient import NotebookClient
-from nbclient.exceptions import CellExecutionError
+
+import run_once
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # $BOOK_TEST_DIR lets two test runs in one checkout use separate folders (each deletes its own).
@@ -29,6 +29,29 @@ OUT = pathlib.Path(os.environ.get("BOOK_TEST_DIR", ROOT / "_build" / "test-book"
 
 
 LAST_RUN: dict = {}  # the latest execute_all() results, for the test summary
+
+#: What executing the chapters, building the HTML and the browser tests need beyond the kernels'
+#: packages (the import names of requirements.txt's book and test lines).
+BOOK_PACKAGES = ("nbformat", "nbclient", "ipykernel", "jupyter_book", "plotly", "playwright")
+
+
+def missing_packages(names=BOOK_PACKAGES) -> list[str]:
+    return [n for n in names if importlib.util.find_spec(n) is None]
+
+
+def require(names=BOOK_PACKAGES) -> None:
+    """Skip the calling test (or module) where the book's packages are missing, with one reason
+    for all of them; where the run promised them ($REQUIRE_BOOK, set by `make test`, or
+    $REQUIRE_BROWSER, set by CI) a missing package is an error instead, never a silent skip."""
+    if not missing_packages(names):
+        return
+    reason = (f"the book's packages are not installed (missing: {', '.join(missing_packages())}): "
+              "pip install -r requirements.txt")
+    if os.environ.get("REQUIRE_BOOK") or os.environ.get("REQUIRE_BROWSER"):
+        raise RuntimeError(reason + " ($REQUIRE_BOOK or $REQUIRE_BROWSER is set)")
+    import pytest
+
+    pytest.skip(reason, allow_module_level=True)
 
 
 def toc_files() -> list[str]:
@@ -59,6 +82,10 @@ def _cell_label(nb, index: int) -> str:
 
 
 def execute(path: pathlib.Path) -> Execution:
+    import nbformat
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
+
     nb = nbformat.read(path, as_version=4)
     result = Execution(path)
     start = time.time()
@@ -111,6 +138,8 @@ def reuse() -> dict[str, Execution]:
     """$BOOK_REUSE=1 (a developer's shortcut, never CI): the executed notebooks and HTML of the
     previous run in OUT, for iterating on tests that only read them. Chapters with no outputs there
     (not executed last time) are left out, as if not selected."""
+    import nbformat
+
     found = {}
     for path in chapter_notebooks():
         done = OUT / path.relative_to(ROOT)
@@ -125,6 +154,44 @@ def reuse() -> dict[str, Execution]:
     LAST_RUN.clear()
     LAST_RUN.update(found)
     return found
+
+
+def _to_json(results: dict[str, Execution]) -> dict:
+    return {k: {**asdict(r), "path": str(r.path)} for k, r in results.items()}
+
+
+def _from_json(data: dict) -> dict[str, Execution]:
+    return {k: Execution(**{**v, "path": pathlib.Path(v["path"])}) for k, v in data.items()}
+
+
+def executed() -> dict[str, Execution]:
+    """Every chapter executed, once per test run however many workers ask (run_once.py)."""
+    results = _from_json(run_once.once(OUT.parent, OUT.name, lambda: _to_json(execute_all())))
+    LAST_RUN.clear()
+    LAST_RUN.update(results)
+    return results
+
+
+def html() -> tuple[int, str, pathlib.Path]:
+    """The executed chapters rendered, once per test run: (code, log, html dir)."""
+    def compute():
+        executed()
+        code, log, _ = build_html()
+        return {"code": code, "log": log}
+
+    r = run_once.once(OUT.parent, OUT.name + "-html", compute)
+    return r["code"], r["log"], OUT / "_build" / "html"
+
+
+def last_run() -> dict[str, Execution]:
+    """This run's chapter results, wherever they were computed (for the test summary)."""
+    data = run_once.stored(OUT.parent, OUT.name)
+    return _from_json(data) if data is not None else dict(LAST_RUN)
+
+
+def start_background(with_html: bool) -> None:
+    """Begin executing the chapters (and building the HTML) in a background process."""
+    run_once.start(OUT.parent, OUT.name, "book_build:html" if with_html else "book_build:executed")
 
 
 def build_html() -> tuple[int, str, pathlib.Path]:

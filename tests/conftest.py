@@ -1,6 +1,9 @@
 """Shared test helpers. Importing ``kernels`` first turns on Triton's interpreter where there is no GPU."""
 
 import math
+import os
+import sys
+import uuid
 
 import pytest
 import torch
@@ -78,27 +81,63 @@ def poison_empty(monkeypatch):
 
 @pytest.fixture(scope="session")
 def executed_book():
-    """Each chapter executed once for the whole session (see book_build.py)."""
-    import os
-
+    """Each chapter executed once for the whole run, shared by every worker (see book_build.py)."""
     import book_build
 
+    book_build.require(("nbformat", "nbclient", "ipykernel", "plotly"))
     if os.environ.get("BOOK_REUSE"):  # a developer's shortcut: the previous run's results
         return book_build.reuse()
-    return book_build.execute_all()
+    return book_build.executed()
 
 
 @pytest.fixture(scope="session")
 def built_html(executed_book):
-    import os
+    import book_build
+
+    book_build.require(("jupyter_book",))
+    if os.environ.get("BOOK_REUSE") and (book_build.OUT / "_build" / "html" / "index.html").exists():
+        return book_build.OUT / "_build" / "html"
+    code, log, html = book_build.html()
+    assert code == 0, "jupyter-book build of the executed chapters failed:\n" + log[-6000:]
+    return html
+
+
+@pytest.fixture(scope="session")
+def server(built_html):
+    """The built HTML served on a local port (test_html.py, test_pages.py)."""
+    import functools
+    import http.server
+    import threading
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    handler = functools.partial(Quiet, directory=str(built_html))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """One headless Chromium per worker, for every browser test (test_html.py, test_pages.py)."""
+    import shutil
 
     import book_build
 
-    if os.environ.get("BOOK_REUSE") and (book_build.OUT / "_build" / "html" / "index.html").exists():
-        return book_build.OUT / "_build" / "html"
-    code, log, html = book_build.build_html()
-    assert code == 0, "jupyter-book build of the executed chapters failed:\n" + log[-6000:]
-    return html
+    book_build.require(("playwright",))
+    from playwright.sync_api import sync_playwright
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=chromium, headless=True, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        yield b
+        b.close()
 
 
 def assert_rejected_before_launch(monkeypatch, module: str, call, exc, words: str) -> None:
@@ -117,12 +156,105 @@ def assert_rejected_before_launch(monkeypatch, module: str, call, exc, words: st
     assert words in str(info.value)
 
 
+# ---------------------------------------------------------------- the run's shape (issue 21)
+# The slow shared work (the chapters executed, their HTML, the inspector's compile) starts in
+# background processes as soon as collection shows a test that needs it (run_once.py), and the
+# tests that read it run last, so the kernel tests fill the cores meanwhile. Under pytest-xdist
+# (`make test`: -n auto --dist loadgroup) the browser tests of one page share one worker, which
+# loads the page once per viewport width (test_html.py).
+
+#: fixture -> (rank in the run's order, the background step that makes it)
+SHARED_FIXTURES = {"executed_book": (1, "book"), "built_html": (2, "html"), "inspector_table": (3, "inspector")}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--quick", action="store_true",
+                     help="the edit loop's subset (make test-quick): kernels at small sizes, prose and "
+                          "width checks; no chapter executed, no browser, no inspector compile")
+
+
+#: --quick: an integer parameter above this (a row length, a vocabulary) leaves the test to
+#: `make test`; 8192 keeps the one-block and the looped rows (1000, 4097).
+QUICK_MAX_SIZE = 8192
+#: --quick leaves these to `make test` too: each starts Jupyter kernels, fresh interpreters or
+#: `make`, or runs the benchmark (its smoke run alone is minutes of interpreter time).
+QUICK_EXCLUDED = ("test_setup_cell.py::", "test_colab_edition.py::test_colab_edition_runs",
+                  "test_bench.py::", "test_import_order.py::", "test_gpu_check.py::")
+
+
+def _quick_excluded(item) -> bool:
+    if _rank(item) or "browser" in item.fixturenames:
+        return True
+    params = getattr(item, "callspec", None) and item.callspec.params or {}
+    if any(isinstance(v, int) and not isinstance(v, bool) and v > QUICK_MAX_SIZE for v in params.values()):
+        return True
+    return any(part in item.nodeid for part in QUICK_EXCLUDED)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "xdist_group(name): tests that pytest-xdist keeps on one worker")
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller (or a run without workers)
+        import run_once
+
+        os.environ[run_once.RUN_VAR] = uuid.uuid4().hex  # inherited by the workers it starts
+
+
+def _rank(item) -> int:
+    return max([SHARED_FIXTURES[f][0] for f in item.fixturenames if f in SHARED_FIXTURES], default=0)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
+def pytest_collection_modifyitems(config, items):
+    """Tests of shared work last (a stable sort: within a rank, collection order); the browser
+    tests of a page grouped, viewport by viewport (browser_order in test_html.py)."""
+    if config.getoption("--quick"):
+        dropped = [item for item in items if _quick_excluded(item)]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = [item for item in items if not _quick_excluded(item)]
+    order = {id(item): i for i, item in enumerate(items)}
+    pages = sys.modules.get("test_html")
+    key = (pages.browser_order if pages else lambda item: ())
+    items.sort(key=lambda item: (_rank(item), key(item), order[id(item)]))
+
+
+def pytest_collection_finish(session):
+    if session.config.option.collectonly or os.environ.get("BOOK_REUSE"):
+        return
+    steps = {SHARED_FIXTURES[f][1] for item in session.items for f in item.fixturenames
+             if f in SHARED_FIXTURES}
+    if steps & {"book", "html"}:
+        import book_build
+
+        if not book_build.missing_packages(("nbformat", "nbclient", "ipykernel", "plotly")):
+            book_build.start_background(with_html="html" in steps
+                                        and not book_build.missing_packages(("jupyter_book",)))
+    if "inspector" in steps:
+        import run_once
+        import test_inspect
+
+        # Niced: its tests run last, so it takes the cores the tests leave (the chapters, which
+        # the browser tests wait for, keep their priority).
+        run_once.start(test_inspect.STEP_DIR, test_inspect.STEP, "test_inspect:inspector_rows", nice=10)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import run_once
+
+    run_once.finish(interrupted=bool(session.shouldstop or session.shouldfail) or exitstatus == 2)
+
+
 def pytest_terminal_summary(terminalreporter):
     """Print how long each chapter took to execute (when the chapter tests ran)."""
-    import book_build
-
-    if book_build.LAST_RUN:
+    book_build = sys.modules.get("book_build")
+    if book_build is None and not os.environ.get("PYTEST_XDIST_WORKER"):
+        try:
+            import book_build
+        except ImportError:
+            return
+    results = book_build.last_run() if book_build else {}
+    if results:
         terminalreporter.write_sep("-", "chapter execution times")
-        for name, result in book_build.LAST_RUN.items():
+        for name, result in results.items():
             status = "ok" if result.error is None else "FAILED"
             terminalreporter.write_line(f"{name:<20} {result.seconds:6.1f} s  {status}")

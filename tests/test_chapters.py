@@ -43,11 +43,39 @@ def test_setup_cells_match_the_configured_repository():
 
 
 def test_config_executes_every_chapter_and_fails_on_error():
+    """`make book` executes every chapter and fails on an error: tools/execute_chapters.py runs
+    them (exit 1 on a failing cell) into the cache the build reads, and the build executes what the
+    cache lacks, raising on error. The cache is exact: a chapter's code, kernels/, the requirements
+    and the versions are its key (test_execution_cache_key_covers_what_chapters_depend_on)."""
     import yaml
 
     cfg = yaml.safe_load((ROOT / "_config.yml").read_text())
-    assert cfg["execute"]["execute_notebooks"] == "force"
+    assert cfg["execute"]["execute_notebooks"] == "cache"
+    assert cfg["execute"].get("allow_errors") is False
     assert cfg["sphinx"]["config"]["nb_execution_raise_on_error"] is True
+    book = (ROOT / "Makefile").read_text().split("\nbook:", 1)[1].split("\n\n", 1)[0]
+    steps = [line.strip() for line in book.splitlines()[1:] if line.startswith("\t")]
+    assert steps.index("$(PY) tools/execute_chapters.py") < next(
+        i for i, s in enumerate(steps) if "jupyter-book build" in s), steps
+
+
+def test_execution_cache_key_covers_what_chapters_depend_on(tmp_path, monkeypatch):
+    """The stamp changes with any file of kernels/, the requirements or pyproject.toml (and the
+    versions): then tools/execute_chapters.py clears the cache and every chapter runs again."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import execute_chapters
+
+    for name in ("kernels/__init__.py", "kernels/deep/x.py", "pyproject.toml", "requirements.txt"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("a = 1\n")
+    monkeypatch.setattr(execute_chapters, "ROOT", tmp_path)
+    before = execute_chapters.stamp()
+    for name in ("kernels/deep/x.py", "requirements.txt", "pyproject.toml"):
+        (tmp_path / name).write_text("a = 2\n")
+        after = execute_chapters.stamp()
+        assert after != before, f"a change of {name} must invalidate the chapters' cache"
+        before = after
+    assert execute_chapters.stamp() == before  # and nothing else moves it
 
 
 @pytest.mark.parametrize("path", chapter_notebooks(), ids=lambda p: p.stem)

@@ -12,11 +12,9 @@ import os
 import re
 import sys
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
 
-from book_build import OUT, ROOT, chapter_notebooks
+from book_build import OUT, ROOT, chapter_notebooks, require
 
 sys.path.insert(0, str(ROOT / "_ext"))
 import colab_edition  # noqa: E402  (_ext/colab_edition.py, run by tools/colab_edition.py)
@@ -199,6 +197,10 @@ def test_every_solution_in_the_book_is_folded(edition, path):
 def test_colab_edition_runs_from_outside_the_repository(edition, tmp_path):
     """The set-up cell and the first code cells of one chapter's Colab edition, in a kernel whose
     working folder is outside the repository."""
+    require(("nbformat", "nbclient", "ipykernel"))
+    import nbformat
+    from nbclient import NotebookClient
+
     only = [c for c in os.environ.get("CHAPTERS", "").split(",") if c]
     path = next((p for p in chapter_notebooks() if not only or p.stem in only), None)
     if path is None:

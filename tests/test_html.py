@@ -5,11 +5,9 @@ bundled), math renders without MathJax errors, figures load, no cell shows a tra
 and each chapter's Colab link points at that chapter's Colab edition in the configured repository.
 """
 
-import functools
-import http.server
+import collections
 import os
 import shutil
-import threading
 
 import pytest
 import yaml
@@ -25,27 +23,8 @@ if CHROMIUM is None and os.environ.get("REQUIRE_BROWSER"):
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Chromium not installed (apt-get install chromium)")
 
 
-@pytest.fixture(scope="module")
-def server(built_html):
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(built_html))
-    handler.log_message = lambda *a, **k: None
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync"])
-        yield b
-        b.close()
+# The fixtures `server` (the built HTML on a local port) and `browser` (one Chromium per worker)
+# are in conftest.py: session-wide, shared by this module and test_pages.py.
 
 
 def block_non_local(page, server):
@@ -63,16 +42,78 @@ def block_non_local(page, server):
     return blocked
 
 
-def open_page(browser, server, page_path):
-    """Load a page with every non-local request blocked; returns (page, js_errors, blocked)."""
-    context = browser.new_context()
+# ---------------------------------------------------------------- one load per page and width
+# Loading a page (and MathJax typesetting it) is most of a browser test's time, so the tests of
+# one page share its load at each viewport width: conftest.py keeps a page's tests together (one
+# xdist worker, adjacent), and the last KEEP loads stay open. The light and dark themes differ
+# only in CSS keyed on <html data-theme> (no script reads the theme), so test_pages.py switches
+# the theme in place. A test that changes the page (clicks, moves a slider) asks for fresh=True.
+KEEP = 2  # a page at both widths
+_LOADED: collections.OrderedDict = collections.OrderedDict()
+
+
+class _Kept:
+    """A shared page: everything as the page, but ``page.context.close()`` leaves it open for
+    the next test of that page (the cache closes it when it falls out)."""
+
+    class _Context:
+        def __init__(self, context):
+            self._context = context
+
+        def __getattr__(self, name):
+            return getattr(self._context, name)
+
+        def close(self):
+            pass
+
+    def __init__(self, page):
+        self._page = page
+
+    def __getattr__(self, name):
+        return getattr(self._page, name)
+
+    @property
+    def context(self):
+        return self._Context(self._page.context)
+
+
+def load_page(browser, server, page_path, width=1366, fresh=False):
+    """The page at a viewport width, every non-local request blocked: (page, js_errors, blocked),
+    the errors and blocked requests recorded since it loaded. Shared unless ``fresh``."""
+    key = (id(browser), server, page_path, width)
+    if not fresh and key in _LOADED:
+        _LOADED.move_to_end(key)
+        return _LOADED[key]
+    context = browser.new_context(viewport={"width": width, "height": 900}, accept_downloads=True)
     page = context.new_page()
     errors = []
     page.on("pageerror", lambda e: errors.append(str(e)))
     blocked = block_non_local(page, server)
     response = page.goto(f"{server}/{page_path}.html", wait_until="load")
     assert response is not None and response.ok, f"{page_path}: HTTP {response and response.status}"
-    return page, errors, blocked
+    page.wait_for_timeout(300)  # the page's own scripts (scroll cues, figures) have run
+    if fresh:
+        return page, errors, blocked
+    _LOADED[key] = (_Kept(page), errors, blocked)
+    while len(_LOADED) > KEEP:
+        old, _, _ = _LOADED.popitem(last=False)[1]
+        old._page.context.close()
+    return _LOADED[key]
+
+
+def browser_order(item):
+    """conftest.py's sort key for a browser test: its page (and an xdist group per page)."""
+    page = getattr(item, "callspec", None) and item.callspec.params.get("page_path")
+    if page is None or "browser" not in item.fixturenames:
+        return ("",)
+    if not item.get_closest_marker("xdist_group"):
+        item.add_marker(pytest.mark.xdist_group(f"page-{page}"))
+    return (page,)
+
+
+def open_page(browser, server, page_path):
+    """A page at 1366 px with every non-local request blocked; returns (page, js_errors, blocked)."""
+    return load_page(browser, server, page_path, 1366)
 
 
 @pytest.mark.parametrize("page_path", PAGES)

@@ -8,11 +8,15 @@ sizes (N = 1000, not a multiple of 16, and N = 40,000, a looped row), in fp32, f
 fp64, which the gradient checks launch, at the odd sizes).
 
 The first run compiles a few hundred variants per architecture (minutes, in parallel over the
-CPU's cores); results are cached by kernel source and specialization, so later runs take seconds.
+CPU's cores); results are cached by Triton's version, kernel source and specialization, so later
+runs take seconds. The table is computed once per test run, in a background process that
+conftest.py starts at collection (run_once.py), and these tests run last: the kernel tests use
+the cores meanwhile, and every xdist worker reads the same table.
 """
 
 import pytest
 
+import run_once
 from kernels import inspect as inspector
 
 ARCHS = (90, 80, 75)
@@ -24,7 +28,8 @@ PATHS = [("rms_norm", "forward"), ("rms_norm", "backward"), ("layer_norm", "forw
          ("layer_norm", "backward"), ("fused_add_rms_norm", "forward"), ("qk_norm_rope", "forward"),
          ("fused_add_rms_norm", "backward"), ("qk_norm_rope", "backward"),
          ("softmax", "forward"), ("softmax", "backward"), ("cross_entropy", "forward"),
-         ("cross_entropy", "backward"), ("attention", "forward"), ("sample", "forward"),
+         ("cross_entropy", "backward"), ("attention", "forward"), ("attention", "backward"),
+         ("sample", "forward"),
          ("row_variance.two_pass", "forward"), ("row_variance.one_pass", "forward"),
          ("row_variance.welford", "forward"),
          # fp32 inputs with statistics accumulated in bf16 (the variance chapter's experiment)
@@ -47,8 +52,11 @@ INDEX_GATHERS = {("decode_attention.paged", "forward"): "Table"}
 #: - vector: qk_norm_rope loads q, k, cos and sin 64 bits at a time (each half of a head
 #:   separately, for the rotation), not 128.
 #: - vector: qk_norm_rope's backward loads cos and sin the same way.
-#: - spills: attention on sm_75 (a T4) in fp16 spills about 0.9 KB per thread at head_dim 128:
-#:   there tl.dot has no bf16 and its fp16 tiles need another tile_config.
+#: attention's sm_75 spills went when the inspector's CPU tensors stopped hiding the arch from
+#: attention.tile_config (it had picked the tensor-core tiles for sm_75).
+#: - spills: attention's backward in fp32 on sm_90, the dK/dV kernel at one decode shape
+#:   (seq 8, whose lengths are not multiples of 16): 32 bytes at 80 registers; its bench
+#:   shapes and the other archs and dtypes do not spill.
 KNOWN_TO_FAIL = {
     (check, arch, call, phase)
     for arch in ARCHS
@@ -56,7 +64,18 @@ KNOWN_TO_FAIL = {
         ("vector", "qk_norm_rope", "forward"),
         ("vector", "qk_norm_rope", "backward"),
     ]
-} | {("spills", 75, "attention", "forward")}
+} | {("spills", 90, "attention", "backward")}
+
+#: The declared floor, Triton 3.6 (the GPU machine's), spills where 3.9 does not, with the
+#: same tiles (sm_90, measured for issue 17): _rms_norm_bwd fp16/bf16 at M = 32,768, N = 2048
+#: (BLOCK_M 2, BLOCK_N 2048, 16 warps, 64 registers: 8 B stored, 8 B loaded), and the top-k/
+#: top-p _sample_kernel (BLOCK_N 4096, 8 warps: 4 B) in fp32 at every N >= 8192 and in fp16
+#: at M = 1, N = 8192. Expected failures under Triton < 3.9, not strict: sm_80 and sm_75 were
+#: not measured under 3.6.
+_TRITON = tuple(int(p) for p in __import__("triton").__version__.split(".")[:2])
+FLOOR_MAY_FAIL = {("spills", arch, call, phase) for arch in ARCHS
+                  for call, phase in [("rms_norm", "backward"), ("sample", "forward")]
+                  } if _TRITON < (3, 9) else set()
 
 #: Calls that take no fp64 (the gradient checks that launch fp64 do not apply to them).
 NO_FP64 = {"attention", "decode_attention", "decode_attention.paged"}
@@ -67,11 +86,23 @@ SINGLE_ELEMENT_GATHERS = {("cross_entropy", "forward"): "X"}
 _ELEMENT_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "fp64": 64}
 
 
-@pytest.fixture(scope="module")
-def table():
+STEP_DIR, STEP = inspector.ROOT / "_build", "test-inspect"  # run_once.py's step
+
+
+def _compute_rows():
     rows = inspector.run_inspector(archs=ARCHS, dtypes=DTYPES, shapes=inspector.bench_shapes() + ODD)["rows"]
     rows += inspector.run_inspector(archs=ARCHS, dtypes=("fp64",), shapes=ODD)["rows"]
     return rows
+
+
+def inspector_rows():
+    """Every variant's row, computed once per test run (the background step's entry point)."""
+    return run_once.once(STEP_DIR, STEP, _compute_rows)
+
+
+@pytest.fixture(scope="session")
+def inspector_table():
+    return inspector_rows()
 
 
 def _params(check):
@@ -81,6 +112,8 @@ def _params(check):
             marks = ()
             if (check, arch, call, phase) in KNOWN_TO_FAIL:
                 marks = pytest.mark.xfail(strict=True, reason="known today; remove from KNOWN_TO_FAIL once fixed")
+            elif (check, arch, call, phase) in FLOOR_MAY_FAIL:
+                marks = pytest.mark.xfail(strict=False, reason="spills under the floor's Triton")
             out.append(pytest.param(arch, call, phase, marks=marks, id=f"sm_{arch}-{call}-{phase}"))
     return out
 
@@ -101,8 +134,8 @@ def _where(r):
 
 
 @pytest.mark.parametrize("arch,call,phase", _params("compiles"))
-def test_every_variant_compiles(table, arch, call, phase):
-    rows = _rows(table, arch, call, phase)
+def test_every_variant_compiles(inspector_table, arch, call, phase):
+    rows = _rows(inspector_table, arch, call, phase)
     failed = [f"{_where(r)}: {r['error']}" for r in rows if "error" in r]
     assert not failed, "\n".join(failed)
     # Every dtype and every shape launched something on this path.
@@ -114,23 +147,23 @@ def test_every_variant_compiles(table, arch, call, phase):
 
 
 @pytest.mark.parametrize("arch,call,phase", _params("spills"))
-def test_no_variant_spills_registers(table, arch, call, phase):
+def test_no_variant_spills_registers(inspector_table, arch, call, phase):
     """ptxas -v: 0 bytes spill stores and loads for every variant at every benchmark and decode
     shape. A spill moves registers through local memory (DRAM behind L1/L2): traffic the byte
     count of a memory-bound kernel does not include."""
     spilled = [f"{_where(r)}: {r['spill_stores']} B stores / {r['spill_loads']} B loads, "
-               f"{r['registers']} registers" for r in _rows(table, arch, call, phase)
+               f"{r['registers']} registers" for r in _rows(inspector_table, arch, call, phase)
                if r["shape"] in ("bench", "decode") and (r.get("spill_stores") or r.get("spill_loads"))]
     assert not spilled, "\n".join(spilled)
 
 
 @pytest.mark.parametrize("arch,call,phase", _params("vector"))
-def test_row_loads_are_128_bit(table, arch, call, phase):
+def test_row_loads_are_128_bit(inspector_table, arch, call, phase):
     """Where N is a multiple of 16 (so rows start on 16-byte boundaries in every dtype), every global
     load of a row-sized input of the call (x, dy, a residual, q, k, cos, sin) is one 128-bit access
     per thread (``ld.global.v4.b32``), as the JIT's specialization allows."""
     narrow = []
-    for r in _rows(table, arch, call, phase):
+    for r in _rows(inspector_table, arch, call, phase):
         if r["N"] % 16 or "error" in r:
             continue
         for arg in r["row_args"]:
@@ -144,17 +177,17 @@ def test_row_loads_are_128_bit(table, arch, call, phase):
     assert not narrow, "\n".join(narrow)
 
 
-def test_the_table_reads_the_compilers_output(table):
+def test_the_table_reads_the_compilers_output(inspector_table):
     """Sanity of the reading itself: registers and warps are set; every global access of a row
     tensor was traced back to its argument; the fp32 reciprocal square root is one of the forms
     the chapter discusses (sqrt then a division, or rsqrt)."""
-    for r in table:
+    for r in inspector_table:
         if "error" in r:
             continue
         assert 0 < r["registers"] <= 255 and r["num_warps"] in (1, 2, 4, 8, 16, 32), _where(r)
         assert "?" not in r["loads"], f"{_where(r)}: a load whose address was not traced: {r['loads']}"
         assert r["ctas_per_sm"] >= 1, _where(r)
-    fwd = [r for r in table if r["kernel"] == "_rms_norm_fwd" and "error" not in r]
+    fwd = [r for r in inspector_table if r["kernel"] == "_rms_norm_fwd" and "error" not in r]
     assert fwd and all(any(k.startswith(("sqrt", "rsqrt")) for k in r["math"]) for r in fwd)
 
 
@@ -194,8 +227,8 @@ def test_ptx_reader_traces_addresses_to_arguments():
     assert got["math"] == {"sqrt.approx.ftz.f32": 1, "div.full.f32": 1} and got["loops"] == 1
 
 
-def test_command_line_prints_the_table(tmp_path):
-    """``python -m kernels.inspect`` end to end on one small call (cached after the first run)."""
+def test_command_line_prints_the_table(inspector_table, tmp_path):
+    """``python -m kernels.inspect`` end to end on one small call (cached by the table's run)."""
     import json
     import subprocess
     import sys

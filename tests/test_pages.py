@@ -21,7 +21,7 @@ from book_build import ROOT
 import page_checks
 from page_checks import (CONTRAST_JS, EQUATIONS_JS, FIGURE_TEXT_JS, FIGURES_LOOK_JS, PAGE_WIDTH_JS,
                          SCROLLING_CODE_JS, set_theme_script)
-from test_html import CHROMIUM, NOTEBOOK_PAGES, PAGES, block_non_local, browser, server  # noqa: F401  (fixtures)
+from test_html import CHROMIUM, NOTEBOOK_PAGES, PAGES, block_non_local, load_page
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Chromium not installed (apt-get install chromium)")
 
@@ -30,16 +30,23 @@ MIN_FIGURE_TEXT_PX = 9.0
 VIEWS = [(390, "light"), (390, "dark"), (1366, "light"), (1366, "dark")]
 
 
-def open_view(browser, server, page_path, width=1366, theme="light", downloads=False):  # noqa: F811
-    """A page at a viewport width and theme; every non-local request is blocked and recorded."""
-    context = browser.new_context(viewport={"width": width, "height": 900}, accept_downloads=downloads)
-    context.add_init_script(set_theme_script(theme))
-    page = context.new_page()
-    blocked = block_non_local(page, server)
-    response = page.goto(f"{server}/{page_path}.html", wait_until="load")
-    assert response is not None and response.ok
+def open_view(browser, server, page_path, width=1366, theme="light", downloads=False, fresh=False):  # noqa: F811
+    """A page at a viewport width and theme; every non-local request is blocked and recorded.
+    Shared with the other tests of that page and width (test_html.load_page): the theme is
+    switched in place. A test that changes the page asks for ``fresh=True``."""
+    if fresh:  # its own page, loaded in the theme from the start (scripts that read it on load)
+        context = browser.new_context(viewport={"width": width, "height": 900},
+                                      accept_downloads=downloads)
+        context.add_init_script(set_theme_script(theme))
+        page = context.new_page()
+        blocked = block_non_local(page, server)
+        response = page.goto(f"{server}/{page_path}.html", wait_until="load")
+        assert response is not None and response.ok
+        page.wait_for_timeout(300)  # the page's own scripts (scroll cues, figures) have run
+    else:
+        page, _, blocked = load_page(browser, server, page_path, width)
+        page.evaluate(f"() => {{ {set_theme_script(theme)} }}")
     assert page.evaluate("document.documentElement.dataset.theme") == theme
-    page.wait_for_timeout(300)  # the page's own scripts (scroll cues, figures) have run
     return page, blocked
 
 
@@ -161,7 +168,7 @@ def test_wide_equations_scroll_with_a_cue(browser, server, page_path):  # noqa: 
 def test_dark_mode_figures_are_drawn_alike(browser, server, page_path):  # noqa: F811
     """In the dark theme every figure, matplotlib's and plotly's, gets the theme's treatment of
     images (dimmed, on the same background): no figure is the one bright card on the page."""
-    page, _ = open_view(browser, server, page_path, 1366, "dark")
+    page, _ = open_view(browser, server, page_path, 1366, "dark", fresh=True)
     try:
         looks = page.evaluate(FIGURES_LOOK_JS)
         if not looks:
@@ -226,7 +233,7 @@ def test_tables_pad_cells_keep_numbers_whole_and_cue_scrolling(browser, server, 
 
 @pytest.mark.parametrize("page_path", NOTEBOOK_PAGES)
 def test_download_button_saves_a_notebook(browser, server, page_path):  # noqa: F811
-    page, _ = open_view(browser, server, page_path, downloads=True)
+    page, _ = open_view(browser, server, page_path, downloads=True, fresh=True)  # it clicks
     try:
         link = page.locator("a[href*='_sources/'][href$='.ipynb']")
         assert link.count() == 1, f"{page_path}: no .ipynb download link"
@@ -252,7 +259,7 @@ def interactive_pages():
 
 @pytest.mark.parametrize("page_path", interactive_pages())
 def test_interactive_figures_work_offline_and_their_sliders_move_the_data(browser, server, page_path):  # noqa: F811
-    page, blocked = open_view(browser, server, page_path, 390)
+    page, blocked = open_view(browser, server, page_path, 390, fresh=True)  # it moves sliders
     try:
         figs = page.locator("main .plotly-graph-div")
         if figs.count() == 0:

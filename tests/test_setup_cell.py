@@ -11,12 +11,14 @@ import pathlib
 import shutil
 import sys
 
-import nbformat
 import pytest
 import yaml
-from nbclient import NotebookClient
 
-from book_build import ROOT, chapter_notebooks
+from book_build import ROOT, chapter_notebooks, require
+
+require(("nbformat", "nbclient", "ipykernel"))
+import nbformat  # noqa: E402
+from nbclient import NotebookClient  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tools"))
 import sync_setup_cells  # noqa: E402
