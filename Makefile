@@ -4,15 +4,17 @@
 #   make test-quick   the edit loop (minutes): kernels at small sizes, prose and width checks;
 #                     no chapter executed, no browser, no inspector
 # Neither needs a GPU: without one, kernels run in Triton's interpreter on the CPU.
-#   make gpu-check   on a CUDA GPU only: tests, chapters, benchmark and inspector on the GPU,
-#                    results with their provenance into data/bench/ (tools/gpu_check.py)
+#   make gpu-check   on a CUDA GPU only, with the machine's own Python (nothing installed):
+#                    benchmark, kernel tests, inspector and chapters, each under a budget
+#                    (tools/gpu_check.py; `python3 tools/gpu_check.py --dry-run` rehearses it)
+#   make gpu-wheels  beforehand, where pip reaches the index: the wheels the GPU machine lacks
 
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 
-.PHONY: book test test-quick gpu-check setup browser clean
+.PHONY: book test test-quick gpu-check gpu-wheels setup browser clean
 
 setup: $(STAMP)
 
@@ -52,9 +54,15 @@ test: $(STAMP) browser
 test-quick: $(STAMP)
 	$(PY) -m pytest $(PYTEST_WORKERS) --quick
 
-# Refuses (exit 2) on a machine without a CUDA GPU; about 10 minutes on one H100-class GPU.
-gpu-check: $(STAMP) browser
-	$(PY) tools/gpu_check.py
+# Refuses (exit 2) on a machine without a CUDA GPU; at most 8 minutes on one (the budgets of
+# tools/gpu_check.py). No venv, no pip, no apt-get: it must run offline on the GPU machine.
+gpu-check:
+	$(PYTHON) tools/gpu_check.py
+
+# Into .whl/ (ignored): nbformat, nbclient, ipykernel, plotly and what they need, for CPython
+# 3.12 on manylinux x86_64, less what the GPU machine already has; gpu-check installs them.
+gpu-wheels:
+	$(PYTHON) tools/gpu_check.py --download-wheels
 
 clean:
 	rm -rf _build

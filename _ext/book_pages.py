@@ -8,10 +8,14 @@ the Colab button opening the Colab edition, and a download button that saves a .
   the page works offline.
 - The Colab launch button opens the chapter in the branch ``colab_edition_branch`` (default
   ``colab``), where the pages workflow publishes the Colab edition (tools/colab_edition.py).
+- The download button gives the same Colab edition (``_ext/colab_edition.py``, glued values from
+  this build's executed chapters), written over the page's ``_sources/…ipynb`` once the build is
+  done: the chapter's own source is MyST, which plain Jupyter shows raw.
 """
 
 import pathlib
 import shutil
+import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
 PLOTLY_MARK = "plotly-graph-div"
@@ -55,10 +59,25 @@ def _page(app, pagename, templatename, context, doctree):
         app.add_js_file("plotly.min.js", priority=100)  # this page only, before the figures
 
 
+def _downloads(app, exception):
+    """Each chapter's download (``_sources/<page>.ipynb``) becomes its Colab edition."""
+    if exception is not None or app.builder.format != "html":
+        return
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    import colab_edition
+
+    executed = pathlib.Path(app.env.mystnb_config.output_folder)
+    # A glued value missing here is missing from the page too, and myst-nb warns about it there.
+    colab_edition.build(pathlib.Path(app.outdir) / "_sources", executed, allow_missing=True,
+                        root=pathlib.Path(app.srcdir))
+
+
 def setup(app):
     app.add_config_value("colab_edition_branch", "colab", "html")
     app.connect("builder-inited", _static_dir)
     app.add_css_file("book.css")
     app.add_js_file("book.js", loading_method="defer")
     app.connect("html-page-context", _page, priority=900)
+    app.connect("build-finished", _downloads)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -80,8 +80,42 @@ def _interpret_triton_library() -> int:
     return len(rebuilt)
 
 
+def _interpreter_index_fix() -> bool:
+    """Let interpreted loops ``for i in range(0, n_blocks)`` run under numpy >= 2.4 (Triton 3.6).
+
+    The interpreter holds a scalar as a numpy array of shape (1,), and Triton 3.6 turns it into
+    a Python int (``range`` asks for ``__index__``) with ``int(array)``, which numpy 2.4 refuses
+    ("only 0-dimensional arrays can be converted to Python scalars"). Newer Triton squeezes the
+    array first; this installs that same one-line fix where the installed Triton lacks it.
+    Returns whether it was needed."""
+    import inspect
+
+    import triton.runtime.interpreter as interpreter
+
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "kernels_index_fix", False):
+        return False
+    try:
+        source = inspect.getsource(original)
+    except (OSError, TypeError):
+        return False
+    if "int(self.handle.data))" not in source:
+        return False  # this Triton already converts a shape-(1,) scalar correctly
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(
+            tensor, "__index__", lambda self: int(self.handle.data.squeeze())
+        )
+
+    patch_lang_tensor.kernels_index_fix = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+    return True
+
+
 if INTERPRET:
     _interpret_triton_library()
+    _interpreter_index_fix()
 
 DEVICE = torch.device("cuda" if HAS_CUDA and not INTERPRET else "cpu")
 

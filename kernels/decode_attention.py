@@ -1,31 +1,35 @@
-r"""Attention of a few new tokens over a KV cache (decoding), split over the keys: flash-decoding.
+r"""Attention of a few new tokens over a KV cache, split over the keys (flash-decoding).
 
-.. math:: O_{b,h,i} = \mathrm{softmax}_j\bigl(\text{scale}\cdot q_{b,h,i}\cdot k_{b,j}\bigr)\,
-          v_{b,j}, \qquad j \le n_b - S_q + i \quad (\text{and } j > n_b - S_q + i - W)
+.. math:: O_{b,h,i} = \mathrm{softmax}_j\bigl(\text{scale}\cdot q_{b,h,i}
+          \cdot k_{b,j}\bigr)\, v_{b,j}, \qquad j \le n_b - S_q + i
+          \quad (\text{and } j > n_b - S_q + i - W)
 
-Row ``b`` of the batch is a request whose cache holds ``n_b = cache_seqlens[b]`` keys and values;
-its ``S_q`` newest tokens (``q[b]``, usually ``S_q = 1``; more when verifying speculative tokens)
-are the last ``S_q`` of them, causal among themselves (bottom-right).
+Row ``b`` of the batch is a request whose cache holds ``n_b = cache_seqlens[b]`` keys
+and values; its ``S_q`` newest tokens (``q[b]``, usually ``S_q = 1``; more when
+verifying speculative tokens) are the last ``S_q`` of them, causal among themselves
+(bottom-right).
 
-Decoding has too few queries to fill a GPU with one program per query tile, so the keys are
-split instead (flash-decoding): each row's keys are cut into chunks of :data:`KV_CHUNK` keys,
-counted from position 0; one program per (chunk, row, k/v head) runs the online softmax over its
-chunk for every query head of the group and writes its partial state ``(m, ℓ, acc)``; a second
-kernel merges a row's chunks **in chunk order**, with the (m, ℓ) merge of the online-softmax
-chapter, and divides once.
+Decoding has too few queries to fill a GPU with one program per query tile, so the keys
+are split instead (flash-decoding): each row's keys are cut into chunks of
+:data:`KV_CHUNK` keys, counted from position 0; one program per (chunk, row, k/v head)
+runs the online softmax over its chunk for every query head of the group and writes its
+partial state ``(m, ℓ, acc)``; a second kernel merges a row's chunks **in chunk order**,
+with the (m, ℓ) merge of the online-softmax chapter, and divides once.
 
-Batch invariance by construction: the chunk boundaries, the tiles inside a chunk and the merge
-order depend on the row's own length, the head_dim, dtype and GPU only, never on the batch size,
-the other rows or the cache's capacity. So a row's output has the same bits alone or in any
-batch, and the same from a paged cache as from a contiguous one. Every load is masked to the
-row's keys ``[max(0, n_b - S_q - W + 1), n_b)``: a slot at or past a row's length is never read.
+Batch invariance by construction: the chunk boundaries, the tiles inside a chunk and the
+merge order depend on the row's own length, the head_dim, dtype and GPU only, never on
+the batch size, the other rows or the cache's capacity. So a row's output has the same
+bits alone or in any batch, and the same from a paged cache as from a contiguous one.
+Every load is masked to the row's keys ``[max(0, n_b - S_q - W + 1), n_b)``: a slot at
+or past a row's length is never read.
 
 Caches, in this package's heads-before-sequence layout:
 
 * contiguous: ``(B, H_kv, S_max, D)``, row ``b``'s key ``j`` at ``[b, :, j]``;
-* paged: ``(num_blocks, H_kv, block_size, D)`` with ``block_table`` ``(B, max_blocks)`` int32:
-  row ``b``'s key ``j`` at ``[block_table[b, j // block_size], :, j % block_size]`` (vLLM's
-  block table). Entries past a row's last block are never read (they may hold -1).
+* paged: ``(num_blocks, H_kv, block_size, D)`` with ``block_table``,
+  ``(B, max_blocks)`` int32: row ``b``'s key ``j`` at
+  ``[block_table[b, j // block_size], :, j % block_size]`` (vLLM's block table).
+  Entries past a row's last block are never read (they may hold -1).
 """
 
 import numbers
@@ -40,10 +44,10 @@ from ._runtime import INTERPRET, device_guard
 from ._triton_utils import round_to
 from .attention import DTYPES, LOG2E, MAX_HEAD_DIM, _capability, tile_config
 
-# Keys per chunk: one program's share of a row. A constant, so that where a row is cut never
-# depends on the batch. 128 keys give a 1K-token row 8 chunks per k/v head (64 programs for 8
-# k/v heads) while the partial states stay ~2 % of the bytes read (R·(D + 2) fp32 per chunk
-# against 2·128·D cache elements).
+# Keys per chunk: one program's share of a row. A constant, so that where a row is cut
+# never depends on the batch. 128 keys give a 1K-token row 8 chunks per k/v head (64
+# programs for 8 k/v heads) while the partial states stay ~2 % of the bytes read
+# (R·(D + 2) fp32 per chunk against 2·128·D cache elements).
 KV_CHUNK = 128
 # Query rows (group heads × new tokens) per program: at least 16 (tl.dot's minimum).
 MAX_ROWS = 64
@@ -51,10 +55,11 @@ MAX_ROWS = 64
 
 @triton.jit
 def _visible_keys(n, Sq, window, WINDOW: tl.constexpr):
-    """[lo, hi): the keys any of the row's Sq queries may see (all of them in the cache)."""
+    """[lo, hi): the keys any of the row's Sq queries may see (all in the cache)."""
     lo = 0
     if WINDOW:
-        lo = tl.maximum(n - Sq - window + 1, 0)  # the first query sees its W - 1 predecessors
+        # the first query sees its W - 1 predecessors
+        lo = tl.maximum(n - Sq - window + 1, 0)
     return lo, n
 
 
@@ -62,13 +67,16 @@ def _visible_keys(n, Sq, window, WINDOW: tl.constexpr):
 def _decode_split(
     Q, K, V, Lens, Table, MidAcc, MidM, MidL,   # inputs; partial states (fp32)
     sqb, sqh, sqm, sqd,                          # strides of Q (batch, head, seq, dim)
-    skb, skh, skn, skd,                          # strides of K (batch or block, head, slot, dim)
+    # strides of K (batch or block, head, slot, dim)
+    skb, skh, skn, skd,
     svb, svh, svn, svd,                          # strides of V
     stb,                                         # stride of the block table's rows
-    H_kv, GROUP, Sq, D, R, n_chunks,             # R = GROUP·Sq query rows per (row, k/v head)
+    # R = GROUP·Sq query rows per (row, k/v head)
+    H_kv, GROUP, Sq, D, R, n_chunks,
     qk_scale, window,                            # scale·log2(e); keys each query sees
     PAGED: tl.constexpr, PAGE: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     chunk = tl.program_id(0)
     tile_m = tl.program_id(1)
@@ -80,7 +88,8 @@ def _decode_split(
     if chunk < lo // CHUNK or chunk * CHUNK >= hi:
         return  # no visible key in this chunk: the merge never reads its state
 
-    # Query row r of the group: head h_kv·GROUP + r // Sq, new token r % Sq at position pos.
+    # Query row r of the group: head h_kv·GROUP + r // Sq, new token r % Sq, at
+    # position pos.
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < R
     h = h_kv * GROUP + rows // Sq
@@ -91,7 +100,8 @@ def _decode_split(
     q = tl.load(Q + b * sqb + h[:, None] * sqh + i[:, None] * sqm + dims[None, :] * sqd,
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     if UPCAST:
-        q = q.to(tl.float32)  # the interpreter's bf16 dot is broken; fp32 holds bf16 exactly
+        # the interpreter's bf16 dot is broken; fp32 holds bf16 exactly
+        q = q.to(tl.float32)
 
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -101,16 +111,18 @@ def _decode_split(
     last = tl.minimum(chunk * CHUNK + CHUNK, hi)
     for start in range(first, last, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        col_ok = (cols >= lo) & (cols < hi)  # never a slot past the length (it may be NaN)
+        # never a slot past the length (it may be NaN)
+        col_ok = (cols >= lo) & (cols < hi)
         if PAGED:
-            page = tl.load(Table + b * stb + cols // PAGE, mask=col_ok, other=0).to(tl.int64)
+            page = tl.load(Table + b * stb + cols // PAGE, mask=col_ok, other=0)
+            page = page.to(tl.int64)
             k_off = page * skb + (cols % PAGE) * skn
             v_off = page * svb + (cols % PAGE) * svn
         else:
             k_off = b * skb + cols.to(tl.int64) * skn
             v_off = b * svb + cols.to(tl.int64) * svn
         kt = tl.load(K + h_kv * skh + k_off[None, :] + dims[:, None] * skd,
-                     mask=col_ok[None, :] & dim_ok[:, None], other=0.0)  # K tile, transposed
+                     mask=col_ok[None, :] & dim_ok[:, None], other=0.0)  # Kᵀ tile
         if UPCAST:
             kt = kt.to(tl.float32)
         s = tl.dot(q, kt, input_precision="ieee", out_dtype=tl.float32) * qk_scale
@@ -119,13 +131,15 @@ def _decode_split(
             keep = keep & (cols[None, :] > pos[:, None] - window)
         s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet: shift by 0
+        # no key seen yet: shift by 0
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_use)
         p = tl.exp2(s - m_use[:, None])
         l = l * alpha + tl.sum(p, axis=1)
         vt = tl.load(V + h_kv * svh + v_off[:, None] + dims[None, :] * svd,
                      mask=col_ok[:, None] & dim_ok[None, :], other=0.0)
-        p_low = round_to(p, V.dtype.element_ty)  # P in V's dtype for the product, as FA does
+        # P in V's dtype for the product, as FA does
+        p_low = round_to(p, V.dtype.element_ty)
         if UPCAST:
             p_low = p_low.to(tl.float32)
             vt = vt.to(tl.float32)
@@ -146,7 +160,8 @@ def _decode_merge(
     MidAcc, MidM, MidL, Lens, O,
     sob, soh, som,                               # strides of O (contiguous in dim)
     H_kv, GROUP, Sq, D, R, n_chunks, window,
-    WINDOW: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    WINDOW: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     tile_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -168,9 +183,11 @@ def _decode_merge(
         state = (bh * n_chunks + chunk).to(tl.int64) * R + rows
         m_c = tl.load(MidM + state, mask=row_ok, other=float("-inf"))
         l_c = tl.load(MidL + state, mask=row_ok, other=0.0)
-        acc_c = tl.load(MidAcc + state[:, None] * D + dims[None, :], mask=mask, other=0.0)
+        acc_c = tl.load(MidAcc + state[:, None] * D + dims[None, :], mask=mask,
+                        other=0.0)
         m_new = tl.maximum(m, m_c)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # both empty: stay (-inf, 0, 0)
+        # both empty: stay (-inf, 0, 0)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_use)
         beta = tl.exp2(m_c - m_use)
         l = l * alpha + l_c * beta
@@ -186,9 +203,10 @@ def _decode_merge(
 
 
 def decode_config(head_dim: int, rows: int, dtype: torch.dtype, capability=None):
-    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps) of the split kernel: attention's key tile for this
-    head_dim, dtype and GPU, and a query tile of the group's rows (at least 16, tl.dot's
-    minimum). A function of head_dim, rows = group · S_q, dtype and GPU: never of the batch."""
+    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps) of the split kernel: attention's key tile
+    for this head_dim, dtype and GPU, and a query tile of the group's rows (at least
+    16, tl.dot's minimum). A function of head_dim, rows = group · S_q, dtype and GPU:
+    never of the batch."""
     block_m, block_n, block_d, num_warps = tile_config(head_dim, dtype, capability)
     block_m = min(max(16, triton.next_power_of_2(rows)), block_m, MAX_ROWS)
     return block_m, block_n, block_d, num_warps
@@ -207,9 +225,11 @@ def _check(q, k_cache, v_cache, cache_seqlens, block_table, scale, window):
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tensor(t, name)
         if t.dtype not in DTYPES:
-            raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+            raise TypeError(f"{name} must be float32, float16 or bfloat16, got "
+                            f"{t.dtype}")
         if t.dim() != 4:
-            raise ValueError(f"{name} must have 4 dimensions, got shape {tuple(t.shape)}")
+            raise ValueError(f"{name} must have 4 dimensions, got shape "
+                             f"{tuple(t.shape)}")
     B, H, Sq, D = q.shape
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != q.dtype:
@@ -222,23 +242,27 @@ def _check(q, k_cache, v_cache, cache_seqlens, block_table, scale, window):
                          f"got {tuple(v_cache.shape)}")
     H_kv = k_cache.shape[1]
     if H_kv == 0 or H % H_kv != 0:
-        raise ValueError(f"k_cache's heads ({H_kv}) must divide q's heads ({H}): grouped-query "
-                         "attention shares each k/v head among a group of q heads")
+        raise ValueError(f"k_cache's heads ({H_kv}) must divide q's heads ({H}): "
+                         "grouped-query attention shares each k/v head among a "
+                         "group of q heads")
     if not 1 <= D <= MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be between 1 and {MAX_HEAD_DIM}, got {D}")
     if Sq < 1:
-        raise ValueError(f"q must hold at least one new token per row (dimension 2), got {Sq}")
+        raise ValueError("q must hold at least one new token per row (dimension 2), "
+                         f"got {Sq}")
     _check_tensor(cache_seqlens, "cache_seqlens")
     if cache_seqlens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"cache_seqlens must be int32 or int64, got {cache_seqlens.dtype}")
+        raise TypeError("cache_seqlens must be int32 or int64, got "
+                        f"{cache_seqlens.dtype}")
     if tuple(cache_seqlens.shape) != (B,):
-        raise ValueError(f"cache_seqlens must have shape ({B},), one length per row of q, "
-                         f"got {tuple(cache_seqlens.shape)}")
+        raise ValueError(f"cache_seqlens must have shape ({B},), one length per row of "
+                         f"q, got {tuple(cache_seqlens.shape)}")
     _validate.check_same_device("cache_seqlens", cache_seqlens, "q", q)
     if block_table is None:
         if k_cache.shape[0] != B:
             raise ValueError(f"a contiguous k_cache must have q's batch size, {B}, "
-                             f"got {k_cache.shape[0]} (pass block_table for a paged cache)")
+                             f"got {k_cache.shape[0]} (pass block_table for a paged "
+                             "cache)")
         capacity = k_cache.shape[2]
     else:
         _check_tensor(block_table, "block_table")
@@ -255,25 +279,29 @@ def _check(q, k_cache, v_cache, cache_seqlens, block_table, scale, window):
     if scale is None:
         scale = D ** -0.5
     elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+        raise TypeError("scale must be a real number or None, got "
+                        f"{type(scale).__name__}")
     scale = float(scale)
     if not abs(scale) < float("inf"):
         raise ValueError(f"scale must be finite, got {scale}")
     if window is not None:
         if isinstance(window, bool) or not isinstance(window, numbers.Integral):
-            raise TypeError(f"window must be an int or None, got {type(window).__name__}")
+            raise TypeError("window must be an int or None, got "
+                            f"{type(window).__name__}")
         if window < 1:
-            raise ValueError(f"window must be >= 1 (keys each query sees), got {window}")
+            raise ValueError(f"window must be >= 1 (keys each query sees), "
+                             f"got {window}")
         window = int(window)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
-        raise NotImplementedError("kernels.decode_attention has no backward: q, k_cache or "
-                                  "v_cache requires grad (decoding needs none; detach them)")
+        raise NotImplementedError("kernels.decode_attention has no backward: q, "
+                                  "k_cache or v_cache requires grad (decoding needs "
+                                  "none; detach them)")
     return scale, window, capacity
 
 
 def _check_values(cache_seqlens, block_table, capacity, num_blocks):
-    """The lengths (and the block-table entries a row uses) are in range: reading past them
-    would touch memory that is not the row's. One host synchronization."""
+    """The lengths (and the block-table entries a row uses) are in range: reading past
+    them would touch memory that is not the row's. One host synchronization."""
     n = cache_seqlens.to(torch.int64)
     bad = [(n < 0).any(), (n > capacity).any()]
     if block_table is not None and block_table.numel():
@@ -285,7 +313,8 @@ def _check_values(cache_seqlens, block_table, capacity, num_blocks):
     if flags[0]:
         raise ValueError(f"cache_seqlens must be >= 0, got {n.tolist()}")
     if flags[1]:
-        where = "max_blocks · block_size" if block_table is not None else "k_cache.shape[2]"
+        where = ("max_blocks · block_size" if block_table is not None
+                 else "k_cache.shape[2]")
         raise ValueError(f"cache_seqlens must be <= the cache's capacity, {where} = "
                          f"{capacity}, got a length of {int(n.max())}")
     if len(flags) > 2 and flags[2]:
@@ -295,7 +324,8 @@ def _check_values(cache_seqlens, block_table, capacity, num_blocks):
 
 def _forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, window, capacity,
              chunk=KV_CHUNK):
-    """Launch on checked inputs. ``chunk`` is for tests (more chunks at interpreter sizes)."""
+    """Launch on checked inputs. ``chunk`` is for tests (more chunks at interpreter
+    sizes)."""
     B, H, Sq, D = q.shape
     H_kv = k_cache.shape[1]
     group = H // H_kv
@@ -305,10 +335,11 @@ def _forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, window, cap
         return out
     BLOCK_M, BLOCK_N, BLOCK_D, num_warps = decode_config(D, R, q.dtype, _capability(q))
     assert chunk % BLOCK_N == 0
-    # Enough chunk programs for the longest row the cache can hold; those past a row's length
-    # return at once. The capacity sizes the grid, never the work a row does.
+    # Enough chunk programs for the longest row the cache can hold; those past a row's
+    # length return at once. The capacity sizes the grid, never the work a row does.
     n_chunks = max(triton.cdiv(capacity, chunk), 1)
-    mid_acc = torch.empty((B * H_kv, n_chunks, R, D), dtype=torch.float32, device=q.device)
+    mid_acc = torch.empty((B * H_kv, n_chunks, R, D), dtype=torch.float32,
+                          device=q.device)
     mid_m = torch.empty((B * H_kv, n_chunks, R), dtype=torch.float32, device=q.device)
     mid_l = torch.empty_like(mid_m)
     paged = block_table is not None
@@ -320,9 +351,11 @@ def _forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, window, cap
             *q.stride(), *k_cache.stride(), *v_cache.stride(),
             block_table.stride(0) if paged else 0,
             H_kv, group, Sq, D, R, n_chunks, scale * LOG2E, window or 0,
-            PAGED=paged, PAGE=k_cache.shape[2] if paged else 1, WINDOW=window is not None,
+            PAGED=paged, PAGE=k_cache.shape[2] if paged else 1,
+            WINDOW=window is not None,
             UPCAST=INTERPRET, CHUNK=chunk,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, num_warps=num_warps, **LAUNCH,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, num_warps=num_warps,
+            **LAUNCH,
         )
         _decode_merge[(row_tiles, B * H_kv)](
             mid_acc, mid_m, mid_l, cache_seqlens, out, *out.stride()[:3],
@@ -333,42 +366,47 @@ def _forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, window, cap
     return out
 
 
-def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, scale=None,
-                     window=None):
-    r"""Attention of each row's ``S_q`` newest tokens over its KV cache, split over the keys.
+def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
+                     scale=None, window=None):
+    r"""Attention of each row's ``S_q`` newest tokens over its KV cache (split-KV).
 
     Args:
-        q: ``(B, H, S_q, D)``, float32, float16 or bfloat16, any strides: the ``S_q >= 1``
-            newest tokens of each row (``S_q > 1``: verifying speculative tokens).
-        k_cache, v_cache: q's dtype and device, any strides; contiguous ``(B, H_kv, S_max, D)``
-            or, with ``block_table``, paged ``(num_blocks, H_kv, block_size, D)``. ``H_kv``
-            divides ``H`` (grouped-query attention). The new tokens' keys and values are
-            already in the cache, at positions ``cache_seqlens[b] - S_q … cache_seqlens[b] - 1``.
+        q: ``(B, H, S_q, D)``, float32, float16 or bfloat16, any strides: the
+            ``S_q >= 1`` newest tokens of each row (``S_q > 1``: verifying speculative
+            tokens).
+        k_cache, v_cache: q's dtype and device, any strides; contiguous
+            ``(B, H_kv, S_max, D)`` or, with ``block_table``, paged
+            ``(num_blocks, H_kv, block_size, D)``. ``H_kv`` divides ``H`` (grouped-query
+            attention). The new tokens' keys and values are already in the cache, at
+            positions ``cache_seqlens[b] - S_q … cache_seqlens[b] - 1``.
         cache_seqlens: ``(B,)`` int32 or int64, each row's length ``n_b`` in
-            ``[0, capacity]``. Query ``i`` (position ``n_b - S_q + i``) sees keys up to its own
-            position (causal, bottom-right); a query at a negative position (``n_b < S_q``, e.g.
-            an empty row) sees no key and outputs **0**, as ``kernels.attention``'s fully masked
-            rows do.
-        block_table: ``None`` (contiguous) or ``(B, max_blocks)`` int32: row ``b``'s key ``j``
-            is in block ``block_table[b, j // block_size]``, slot ``j % block_size``. Only the
-            entries of a row's first ``ceil(n_b / block_size)`` blocks are read.
+            ``[0, capacity]``. Query ``i`` (position ``n_b - S_q + i``) sees keys up to
+            its own position (causal, bottom-right); a query at a negative position
+            (``n_b < S_q``, e.g. an empty row) sees no key and outputs **0**, as
+            ``kernels.attention``'s fully masked rows do.
+        block_table: ``None`` (contiguous) or ``(B, max_blocks)`` int32: row ``b``'s
+            key ``j`` is in block ``block_table[b, j // block_size]``, slot
+            ``j % block_size``. Only the entries of a row's first
+            ``ceil(n_b / block_size)`` blocks are read.
         scale: multiplies the scores; default ``1/sqrt(D)``.
-        window: each query sees at most ``window`` keys, itself and the ``window - 1`` before
-            (Mistral's sliding window, as ``kernels.attention``).
+        window: each query sees at most ``window`` keys, itself and the ``window - 1``
+            before (Mistral's sliding window, as ``kernels.attention``).
 
-    Returns ``(B, H, S_q, D)`` in q's dtype. Scores and softmax state in fp32, probabilities
-    rounded to the cache's dtype before multiplying V (as FlashAttention). A row's bits do not
-    depend on the batch, the other rows, the capacity, or paged vs contiguous storage.
+    Returns ``(B, H, S_q, D)`` in q's dtype. Scores and softmax state in fp32,
+    probabilities rounded to the cache's dtype before multiplying V (as FlashAttention).
+    A row's bits do not depend on the batch, the other rows, the capacity, or paged vs
+    contiguous storage.
 
     Raises:
-        TypeError / ValueError naming the bad argument, before any launch. Structural checks
-        cost nothing; the value checks (every length in ``[0, capacity]``, every block-table
-        entry a row uses in ``[0, num_blocks)``) cost one host synchronization.
-        NotImplementedError if an input requires grad.
+        TypeError / ValueError naming the bad argument, before any launch. Structural
+        checks cost nothing; the value checks (every length in ``[0, capacity]``, every
+        block-table entry a row uses in ``[0, num_blocks)``) cost one host
+        synchronization. NotImplementedError if an input requires grad.
     """
-    scale, window, capacity = _check(q, k_cache, v_cache, cache_seqlens, block_table, scale,
-                                     window)
+    scale, window, capacity = _check(q, k_cache, v_cache, cache_seqlens, block_table,
+                                     scale, window)
     if q.numel() == 0:
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _check_values(cache_seqlens, block_table, capacity, k_cache.shape[0])
-    return _forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, window, capacity)
+    return _forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, window,
+                    capacity)

@@ -431,8 +431,9 @@ def patch(model: nn.Module) -> nn.Module:
     :func:`kernels.fused_add_rms_norm`; ``Qwen3Attention`` runs ``q_norm``, ``k_norm`` and RoPE as
     :func:`kernels.qk_norm_rope`; attention runs :func:`kernels.attention`, the SwiGLU gate
     :func:`kernels.swiglu` and, with ``labels``, the loss :func:`kernels.linear_cross_entropy`
-    (see the module's docstring for what is not patched). Parameters, buffers and the state dict are untouched; patching
-    twice is the same as once; :func:`unpatch` restores the model.
+    (see the module's docstring for what is not patched). Parameters, buffers and the state
+    dict are untouched; patching twice is the same as once; :func:`unpatch` restores the
+    model.
 
     Raises:
         TypeError: ``model`` is not a supported transformers model (see

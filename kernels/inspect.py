@@ -296,8 +296,11 @@ class _Capture:
         # The same options JITFunction.run adds before it binds.
         kwargs = dict(kwargs)
         kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug
-        kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-        kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+        # Knobs that only some Triton versions have (3.6 lacks fpsan_homomorphic_casts): passed
+        # when this Triton's JIT passes them, as it does.
+        for knob in ("instrumentation_mode", "fpsan_homomorphic_casts"):
+            if hasattr(knobs.compilation, knob):
+                kwargs[knob] = getattr(knobs.compilation, knob)
         backend = make_backend(self.target)
         if fn not in self.binders:
             self.binders[fn] = create_function_from_signature(fn.signature, fn.params, backend)
@@ -326,14 +329,19 @@ class _Capture:
 
 def _compile_and_read(fn, signature, constexprs, attrs, options, target, key: str) -> dict:
     """Lower one specialized variant to PTX (Triton's pipeline), run ptxas -v, read the PTX; cached."""
+    import triton
+    from triton.compiler import ASTSource
+
     path = CACHE / f"{key}.json"
     if path.exists():
         try:
-            return json.loads(path.read_text())
+            cached = json.loads(path.read_text())
         except ValueError:
-            pass
-    import triton
-    from triton.compiler import ASTSource
+            cached = None
+        # Another Triton compiles the same source differently: its entry does not count
+        # (entries written before the version was recorded are taken as they are).
+        if cached is not None and cached.get("triton", triton.__version__) == triton.__version__:
+            return cached
 
     t0 = time.perf_counter()
     _PTXAS_LOGS.clear()
@@ -351,7 +359,7 @@ def _compile_and_read(fn, signature, constexprs, attrs, options, target, key: st
             "num_warps": compiled.metadata.num_warps, "shared": compiled.metadata.shared,
             **(parse_ptxas_log(_PTXAS_LOGS[-1]) if _PTXAS_LOGS else _ptxas(ptx, target.arch, options.enable_fp_fusion)),
             **analyze_ptx(ptx, pointers),
-            "compile_s": round(time.perf_counter() - t0, 3)}
+            "compile_s": round(time.perf_counter() - t0, 3), "triton": triton.__version__}
     info["ptx"] = ptx
     CACHE.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -516,6 +524,29 @@ def _row(launch: dict, info: dict, gpu: GPU, arch: int, label: str, M: int, N: i
     return row
 
 
+def measured_gpu(
+    gpu: GPU,
+    bandwidth_gbps: float | None = None,
+    sms: int | None = None,
+    name: str | None = None,
+) -> GPU:
+    """``gpu`` with what was measured on a real one: the copy bandwidth (GB/s) in place of the
+    datasheet's, so that ``predicted`` becomes a fraction of the *measured* copy bandwidth (the
+    benchmark's ``pct_of_copy``), and the SM count the device reports."""
+    import dataclasses
+
+    changes = {}
+    if bandwidth_gbps:
+        changes["bandwidth"] = bandwidth_gbps * 1e9
+    if sms:
+        changes["sms"] = sms
+    if name:
+        changes["name"] = (
+            f"{name} ({sms or gpu.sms} SMs, measured copy {bandwidth_gbps or 0:.0f} GB/s)"
+        )
+    return dataclasses.replace(gpu, **changes) if changes else gpu
+
+
 def _child(argv: list[str]) -> int:
     """Runs in its own process: fake CUDA, import kernels, capture, compile, write JSON rows."""
     p = argparse.ArgumentParser()
@@ -526,6 +557,9 @@ def _child(argv: list[str]) -> int:
     p.add_argument("--calls", default="")
     p.add_argument("--latency-ns", type=float, default=LATENCY_NS)
     p.add_argument("--ptx", action="store_true")
+    p.add_argument("--bandwidth-gbps", type=float, default=None)
+    p.add_argument("--sms", type=int, default=None)
+    p.add_argument("--gpu-name", default=None)
     a = p.parse_args(argv)
     archs = [int(s) for s in a.arch.split(",")]
     os.environ.pop("TRITON_INTERPRET", None)
@@ -553,6 +587,7 @@ def _child(argv: list[str]) -> int:
     which = set(a.calls.split(",")) if a.calls else None
     rows = []
     for arch in archs:
+        GPUS[arch] = measured_gpu(GPUS[arch], a.bandwidth_gbps, a.sms, a.gpu_name)
         _fake_cuda(arch)
         gpu = GPUS[arch]
         capture.target = GPUTarget("cuda", arch, 32)
@@ -605,14 +640,25 @@ def _child_env() -> dict:
 
 
 def run_inspector(archs=(90,), dtypes=DTYPES, shapes="all", calls=None, latency_ns=LATENCY_NS,
-                  ptx=False, timeout=4 * 3600, jobs=None) -> dict:
+                  ptx=False, timeout=4 * 3600, jobs=None, call_shapes=None, gpu_args=(),
+                  partial=False) -> dict:
     """Run the inspector in a child process; returns ``{"meta": ..., "rows": [...]}``.
 
     ``shapes``: "all", "bench", "decode", or a list of (label, M, N). ``calls``: names such as
-    "rms_norm", "layer_norm", "fused_add_rms_norm", "qk_norm_rope", "row_variance.welford"."""
-    if not isinstance(shapes, str):
-        shapes = ",".join(f"{lab}:{m}:{n}" for lab, m, n in shapes)
+    "rms_norm", "layer_norm", "fused_add_rms_norm", "qk_norm_rope", "row_variance.welford".
+    ``call_shapes``: instead of calls × shapes, {call: [(label, M, N), ...]}, one child each
+    (the GPU day inspects each kernel at the shapes it measured). ``gpu_args``: extra child
+    arguments (--bandwidth-gbps, --sms, --gpu-name: see :func:`measured_gpu`). ``partial``:
+    past ``timeout`` seconds, return the units that finished (``meta.units_not_finished``)
+    instead of raising."""
+    def spec(sh):
+        return sh if isinstance(sh, str) else ",".join(f"{lab}:{m}:{n}" for lab, m, n in sh)
+
     archs = [archs] if isinstance(archs, int) else list(archs)
+    if call_shapes:
+        work = [([call], spec(sh)) for call, sh in call_shapes.items()]
+    else:
+        work = [(calls or [], spec(shapes))]
     boot = ("import importlib.util, sys; "
             f"s = importlib.util.spec_from_file_location('_kernels_inspect_child', {str(__file__)!r}); "
             "m = importlib.util.module_from_spec(s); sys.modules[s.name] = m; s.loader.exec_module(m); "
@@ -620,17 +666,18 @@ def run_inspector(archs=(90,), dtypes=DTYPES, shapes="all", calls=None, latency_
     with tempfile.TemporaryDirectory() as tmp:
         # One child per (architecture, dtype), as many at once as there are cores: compiling is the
         # cost, and each child compiles its own variants.
-        units = [(arch, dt) for arch in archs for dt in dtypes]
+        units = [(arch, dt, c, sh) for arch in archs for dt in dtypes for c, sh in work]
         pending, running, done = list(units), [], []
+        dropped = 0
         jobs = max(1, jobs or os.cpu_count() or 1)
         deadline = time.monotonic() + timeout
         while pending or running:
             while pending and len(running) < jobs:
-                arch, dt = pending.pop(0)
-                out = pathlib.Path(tmp) / f"rows{arch}_{dt}.json"
+                arch, dt, unit_calls, unit_shapes = pending.pop(0)
+                out = pathlib.Path(tmp) / f"rows{arch}_{dt}_{len(done) + len(running)}.json"
                 cmd = [sys.executable, "-c", boot, "--arch", str(arch), "--out", str(out), "--dtypes", dt,
-                       "--shapes", shapes, "--calls", ",".join(calls or []),
-                       "--latency-ns", str(latency_ns)] + (["--ptx"] if ptx else [])
+                       "--shapes", unit_shapes, "--calls", ",".join(unit_calls),
+                       "--latency-ns", str(latency_ns), *gpu_args] + (["--ptx"] if ptx else [])
                 log = out.with_suffix(".log")
                 with log.open("w") as f:
                     running.append((out, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f,
@@ -638,6 +685,15 @@ def run_inspector(archs=(90,), dtypes=DTYPES, shapes="all", calls=None, latency_
             out, proc = running.pop(0)
             try:
                 proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                if not partial:
+                    raise
+                # Out of time (the GPU day's budget): keep the units that finished.
+                for _, p in running + [(out, proc)]:
+                    p.kill()
+                dropped = len(running) + 1 + len(pending)
+                running, pending = [], []
+                break
             finally:
                 if proc.returncode is None or proc.returncode != 0:
                     for _, p in running + [(out, proc)]:
@@ -646,7 +702,7 @@ def run_inspector(archs=(90,), dtypes=DTYPES, shapes="all", calls=None, latency_
                 err = out.with_suffix(".log").read_text()
                 raise RuntimeError(f"kernels.inspect child failed ({proc.returncode}):\n{err[-4000:]}")
             done.append(out)
-        result = {"meta": {}, "rows": []}
+        result = {"meta": {"units_not_finished": dropped} if dropped else {}, "rows": []}
         for out in done:
             part = json.loads(out.read_text())
             for k, v in part["meta"].items():
@@ -714,6 +770,125 @@ def markdown_table(rows: list[dict], columns=tuple(COLUMNS)) -> str:
     return "\n".join(out)
 
 
+_SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
+
+
+def measured_vs_predicted(bench: dict, inspected: dict) -> dict:
+    """Per benchmark row of our kernels: the measured fraction of the copy bandwidth (the
+    benchmark's ``pct_of_copy`` / 100) beside the inspector's ``predicted`` for the same call,
+    phase, shape and dtype (the smallest over the phase's launches; each launch listed).
+
+    ``bench`` is a benchmark JSON (``python -m kernels.bench``), ``inspected`` the inspector's
+    JSON for the same GPU, ideally run with ``--bandwidth-gbps`` set to the measured copy
+    bandwidth so that both fractions have the same denominator (``meta.same_denominator``).
+    """
+    prov = bench.get("provenance", {})
+    dtype = _SHORT_DTYPE.get(prov.get("dtype", ""), prov.get("dtype"))
+    copy = bench.get("copy", {}).get("GB/s")
+    launches: dict = {}
+    for r in inspected.get("rows", []):
+        if "error" in r:
+            continue
+        launches.setdefault(
+            (r["call"], r["phase"], r["M"], r["N"], r["dtype"]), []
+        ).append(r)
+    rows = []
+    for b in bench.get("results", []):
+        if (
+            b.get("provider") != "kernels"
+            or b.get("status") != "ok"
+            or b.get("pct_of_copy") is None
+        ):
+            continue
+        found = launches.get((b["kernel"], b["direction"], b["M"], b["N"], dtype), [])
+        preds = [r["predicted"] for r in found if r.get("predicted") is not None]
+        measured = b["pct_of_copy"] / 100
+        predicted = min(preds) if preds else None
+        rows.append(
+            {
+                "case": f"{b['kernel']}.{b['direction']}",
+                "regime": b.get("regime", ""),
+                "M": b["M"],
+                "N": b["N"],
+                "dtype": dtype,
+                "ms": b["ms"],
+                "GB/s": b["GB/s"],
+                "measured": round(measured, 4),
+                "predicted": predicted,
+                "measured / predicted": (
+                    round(measured / predicted, 3) if predicted else None
+                ),
+                "launches": [
+                    {
+                        "kernel": r["kernel"],
+                        "predicted": r["predicted"],
+                        "grid": r["grid"],
+                        "ctas_per_sm": r["ctas_per_sm"],
+                        "registers": r["registers"],
+                        "spill_bytes": r["spill_stores"] + r["spill_loads"],
+                    }
+                    for r in found
+                ],
+            }
+        )
+    meta = inspected.get("meta", {})
+    bandwidths = {k: v.get("bandwidth") for k, v in meta.get("gpus", {}).items()}
+    same = bool(copy) and any(
+        bw and abs(bw / 1e9 - copy) <= 0.5 for bw in bandwidths.values()
+    )
+    return {
+        "meta": {
+            "gpu": prov.get("gpu"),
+            "date": prov.get("date"),
+            "torch": prov.get("torch"),
+            "triton": prov.get("triton"),
+            "cuda": prov.get("cuda"),
+            "dtype": dtype,
+            "copy_GB/s": copy,
+            "smoke": prov.get("smoke"),
+            "latency_ns": meta.get("latency_ns"),
+            "inspector_triton": meta.get("triton"),
+            "same_denominator": same,
+            "note": "measured: GB/s over the measured copy GB/s; predicted: the inspector's "
+            "model (Little's law and waves), not a measurement",
+        },
+        "rows": rows,
+    }
+
+
+def comparison_markdown(table: dict) -> str:
+    """:func:`measured_vs_predicted` as a Markdown table."""
+    m = table["meta"]
+    copy = f"{m['copy_GB/s']:.0f} GB/s" if m.get("copy_GB/s") else "unknown"
+    head = [
+        f"Measured on {m['gpu']} ({m['date']}; torch {m['torch']}, triton {m['triton']}, "
+        f"CUDA {m['cuda']}; {m['dtype']}; copy {copy}) against the inspector's prediction "
+        f"(triton {m['inspector_triton']}, {m['latency_ns']} ns assumed latency).",
+        "",
+        "| case | M | N | ms | measured % of copy | predicted % | measured / predicted | launches |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+
+    def pct(v):
+        return "-" if v is None else f"{100 * v:.0f}"
+
+    for r in table["rows"]:
+        each = (
+            ", ".join(f"{x['kernel']} {pct(x['predicted'])}" for x in r["launches"])
+            or "not inspected"
+        )
+        ratio = (
+            "-"
+            if r["measured / predicted"] is None
+            else f"{r['measured / predicted']:.2f}"
+        )
+        head.append(
+            f"| {r['case']} | {r['M']} | {r['N']} | {r['ms']:.4f} | {pct(r['measured'])} | "
+            f"{pct(r['predicted'])} | {ratio} | {each} |"
+        )
+    return "\n".join(head)
+
+
 def ptx_excerpt(ptx: str, max_lines: int = 14) -> str:
     """The lines of a kernel's PTX that the chapter reads: global loads and stores, the square
     root / division / reciprocal instructions, and the branches that close loops."""
@@ -731,21 +906,41 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", default="", help="comma-separated subset, e.g. rms_norm,layer_norm")
     p.add_argument("--latency-ns", type=float, default=LATENCY_NS)
     p.add_argument("--jobs", type=int, default=None, help="child processes at once (default: the CPU count)")
+    p.add_argument("--call-shapes", default="",
+                   help="per call, its own shapes: 'rms_norm=plan:1024:131072,plan:1:4096;softmax=...' "
+                        "(instead of --calls × --shapes)")
+    p.add_argument("--bandwidth-gbps", type=float, help="a measured copy bandwidth in place of the datasheet's")
+    p.add_argument("--sms", type=int, help="the SM count of the GPU measured")
+    p.add_argument("--gpu-name", help="the name of the GPU measured")
+    p.add_argument("--timeout-s", type=float,
+                   help="after this many seconds, keep what finished (the GPU day's budget)")
     a = p.parse_args(argv)
     archs = [int(s) for s in a.arch.split(",")]
     for arch in archs:
         if arch not in GPUS:
             p.error(f"--arch must be one of {', '.join(map(str, GPUS))}, got {arch}")
     t0 = time.perf_counter()
+    call_shapes = {}
+    for part in filter(None, a.call_shapes.split(";")):
+        call, _, spec = part.partition("=")
+        call_shapes[call] = [(s.split(":")[0], int(s.split(":")[1]), int(s.split(":")[2]))
+                             for s in spec.split(",")]
+    gpu_args = []
+    for flag, value in (("--bandwidth-gbps", a.bandwidth_gbps), ("--sms", a.sms), ("--gpu-name", a.gpu_name)):
+        if value:
+            gpu_args += [flag, str(value)]
+    for arch in archs:
+        GPUS[arch] = measured_gpu(GPUS[arch], a.bandwidth_gbps, a.sms, a.gpu_name)
     result = run_inspector(archs, a.dtypes.split(","), a.shapes, [c for c in a.calls.split(",") if c],
-                           a.latency_ns, jobs=a.jobs)
+                           a.latency_ns, jobs=a.jobs, call_shapes=call_shapes or None, gpu_args=gpu_args,
+                           **({"timeout": a.timeout_s, "partial": True} if a.timeout_s else {}))
     rows = result["rows"]
     meta = result["meta"]
     for arch in archs:
         gpu = GPUS[arch]
         print(f"sm_{arch}: {gpu.name}, {gpu.bandwidth / 1e12:.3g} TB/s; Little's law at {a.latency_ns:.0f} ns "
               f"(assumed, see kernels.inspect.LATENCY_NS): {littles_law_bytes(gpu, a.latency_ns) / 1024:.1f} KiB "
-              f"in flight per SM. triton {meta['triton']}, torch {meta['torch']}.")
+              f"in flight per SM. triton {meta.get('triton')}, torch {meta.get('torch')}.")
         print("'inflight': bytes of row loads a SM has in flight (model); 'pred': predicted fraction of "
               "bandwidth (a model, not a measurement)")
         print(format_table([r for r in rows if r["arch"] == arch]))

@@ -345,6 +345,57 @@ def attention(q, k, v, causal=False, scale=None, window=None):
     e = torch.exp(s - m)  # exp(−∞) = 0 at every hidden key
     l = e.sum(dim=-1, keepdim=True)
     return (e @ v) / torch.where(l > 0, l, torch.ones_like(l))
+
+
+def attention_probs(q, k, causal=False, scale=None, window=None):
+    r"""P = softmax(scale · Q Kᵀ + mask) in float64, with k's heads repeated for GQA; a
+    row that sees no key is all zeros. Shape (batch, heads, seq_q, seq_k)."""
+    q, k = _d(q), _d(k)
+    k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = scale * (q @ k.transpose(-1, -2))
+    keep = attention_mask(q.shape[-2], k.shape[-2], causal, window, device=s.device)
+    s = s.masked_fill(~keep, float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)
+    e = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
+    l = e.sum(dim=-1, keepdim=True)
+    return e / torch.where(l > 0, l, torch.ones_like(l))
+
+
+def attention_lse(q, k, causal=False, scale=None, window=None):
+    r"""L_i = log Σ_j exp(s_ij) over the keys row i sees (float64); +inf for a row that
+    sees none, so that exp(s − L) = 0 there. Shape (batch, heads, seq_q)."""
+    q, k = _d(q), _d(k)
+    k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = scale * (q @ k.transpose(-1, -2))
+    keep = attention_mask(q.shape[-2], k.shape[-2], causal, window, device=s.device)
+    lse = torch.logsumexp(s.masked_fill(~keep, float("-inf")), dim=-1)
+    return torch.where(keep.any(dim=-1), lse, torch.full_like(lse, float("inf")))
+
+
+def attention_backward(q, k, v, do, causal=False, scale=None, window=None):
+    r"""(dQ, dK, dV) of attention, written as the book derives them (float64):
+
+    P = softmax(S), dV = Pᵀ dO, dP = dO Vᵀ, D_i = Σ_d dO_id O_id (= Σ_j P_ij dP_ij),
+    dS = P ∘ (dP − D), dQ = scale · dS K, dK = scale · dSᵀ Q; with GQA, dK and dV are
+    summed over the q heads that share each k/v head."""
+    q, k, v, do = _d(q), _d(k), _d(v), _d(do)
+    group = q.shape[-3] // k.shape[-3]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    p = attention_probs(q, k, causal, scale, window)
+    kr, vr = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    o = p @ vr
+    dp = do @ vr.transpose(-1, -2)
+    D = (do * o).sum(dim=-1, keepdim=True)
+    ds = p * (dp - D)
+    dq = scale * (ds @ kr)
+    dk = scale * (ds.transpose(-1, -2) @ q)
+    dv = p.transpose(-1, -2) @ do
+
+    def per_kv_head(g):  # (B, H, S, D) -> (B, H_kv, S, D): sum each group of q heads
+        return g.unflatten(-3, (k.shape[-3], group)).sum(dim=-3)
+    return dq, per_kv_head(dk), per_kv_head(dv)
 # ---------------------------------------------------------------- sampling
 
 def sampling_probs(logits, temperature=1.0, top_k=None, top_p=None, min_p=None):
@@ -352,9 +403,14 @@ def sampling_probs(logits, temperature=1.0, top_k=None, top_p=None, min_p=None):
 
     z = (x − max x)/T and p ∝ e^z, restricted in Hugging Face's order to the tokens kept by
     top-k (z_i ≥ the k-th largest z; ties kept), then top-p over the renormalized top-k set
-    (keep i iff Σ_{j kept: z_j > z_i} p_j < top_p; ties kept together), then min-p
-    (p_i ≥ min_p · p_max ⇔ z_i ≥ ln min_p); renormalized. T = 0: all mass on the first argmax.
+    (keep i iff Σ_{j kept: z_j > z_i} p_j < (1 − TOP_P_SLACK)·top_p; ties kept together), then
+    min-p (p_i ≥ min_p · p_max ⇔ z_i ≥ ln min_p); renormalized. T = 0: all mass on the first
+    argmax. The slack (2⁻¹⁶, kernels.sampling.TOP_P_SLACK) counts a mass within rounding of
+    top_p as having reached it; without ties and outside that band, Hugging Face's
+    TopPLogitsWarper (cumulative sum ascending, drop where it is ≤ 1 − top_p) keeps the same set.
     """
+    from .sampling import TOP_P_SLACK
+
     x = _d(logits)
     n = x.shape[-1]
     if temperature == 0:
@@ -371,7 +427,7 @@ def sampling_probs(logits, temperature=1.0, top_k=None, top_p=None, min_p=None):
         tail = torch.cat([tail, torch.zeros_like(tail[..., :1])], -1)  # tail[j] = Σ_{l ≥ j} e_(l)
         first_above = torch.searchsorted(zs.contiguous(), z.contiguous(), right=True)
         mass_above = torch.gather(tail, -1, first_above)  # Σ e_j over z_j > z_i
-        keep &= mass_above < top_p * e.sum(-1, keepdim=True)
+        keep &= mass_above < (1 - TOP_P_SLACK) * top_p * e.sum(-1, keepdim=True)
     if min_p is not None:
         keep &= torch.exp(z) >= min_p
     p = torch.where(keep, torch.exp(z), 0.0)

@@ -5,16 +5,19 @@ and :math:`p \propto e^{z}`. The filters keep the tokens whose scaled logit reac
 applied in Hugging Face's order (temperature, top-k, top-p, min-p):
 
 - top-k: :math:`z_i \ge` the k-th largest :math:`z` (ties with it are kept: possibly more than k);
-- top-p: of the top-k set, token :math:`i` is kept iff the probability of the tokens strictly
-  more likely than it is below ``top_p`` (ties are kept or dropped together);
+- top-p: of the top-k set, token :math:`i` is kept iff the probability of the tokens
+  strictly more likely than it is below ``top_p`` (ties are kept or dropped together), with
+  the boundary decided at ``(1 - TOP_P_SLACK) * top_p`` (see :data:`TOP_P_SLACK`);
 - min-p: :math:`p_i \ge \text{min\_p}\cdot p_{\max}`, i.e. :math:`z_i \ge \ln \text{min\_p}`.
 
-Every filter is "keep :math:`z_i \ge \tau`", so the kept set is one threshold per row. The kernel
-finds it without sorting: it bisects over the 2**32 fp32 bit patterns, ordered like the floats
-(:func:`_order_key`), counting (top-k) or summing :math:`e^{z}` (top-p) over the row in each of 31
-steps. Then it draws with the Gumbel-max trick (an exponential race): the sample is
-:math:`\arg\max_i z_i - \log E_i` over the kept tokens, :math:`E_i \sim \mathrm{Exp}(1)`, which
-needs neither the normalizing sum nor a prefix sum.
+Every filter is "keep :math:`z_i \ge \tau`", so the kept set is one threshold per row.
+The kernel finds it without sorting, by a search over the 2**32 fp32 bit patterns, ordered
+like the floats (:func:`_order_key`): each pass over the row counts (top-k) or sums
+:math:`e^{z}` (top-p) above FANOUT - 1 candidate keys at once and narrows the interval that
+holds the threshold FANOUT-fold (SEARCH_BITS bits a pass), so SEARCH_PASSES passes pin it
+exactly (:func:`row_reads`). Then it draws with the Gumbel-max trick (an exponential race):
+the sample is :math:`\arg\max_i z_i - \log E_i` over the kept tokens,
+:math:`E_i \sim \mathrm{Exp}(1)`, which needs neither the normalizing sum nor a prefix sum.
 
 Random numbers come from Triton's counter-based Philox (``tl.randint``): element ``(r, c)`` of the
 (M, N) row view uses key ``seed`` (two 32-bit halves, low first) and counter
@@ -35,16 +38,41 @@ from ._runtime import INTERPRET, device_guard
 
 # The order key of -inf (see _order_key): the smallest key any logit can have.
 KEY_NEG_INF = -2139095041
-# Bisection steps: the keys of (-inf, 0] span fewer than 2**31 integers, halved each step.
-BISECT_STEPS = 31
+# Padding lanes get a key below every logit's, so that no candidate threshold counts
+# them.
+KEY_PAD = -(2**31)
+# The search starts on [KEY_LO, 1): 2**31 keys, holding every key of z in [-inf, 0].
+KEY_LO = -(2**31) + 1
+# Bits of the threshold pinned per pass: FANOUT - 1 candidates are tested at once.
+SEARCH_BITS = 4
+FANOUT = 2**SEARCH_BITS
+# Passes that shrink the 2**31-key interval to one key: ceil(31 / SEARCH_BITS).
+SEARCH_PASSES = -(-31 // SEARCH_BITS)
+# Top-p decides "the mass above reaches top_p" at (1 - TOP_P_SLACK) * top_p.
+# Probabilities given as logits (log 0.3, log 0.5, ...) whose mass is meant to be
+# exactly top_p come out a few ulp either side of it after rounding; the slack, far
+# above the kernel's summation and exp errors (a few times 1e-7 relative,
+# test_sampling.py), decides such rows one way, as an exact calculation (and Hugging
+# Face's TopPLogitsWarper) does: the mass reached top_p.
+TOP_P_SLACK = 2.0**-16
 # The largest fp32 below 1: V is clamped to it so that E = -log(1 - V) stays finite.
 ONE_MINUS_ULP = 1.0 - 2.0**-24
 # Elements per program's tile on a GPU (see _forward).
 SAMPLE_TILE = 4096
 # The same, as the constexprs a kernel may read.
-_KEY_NEG_INF = tl.constexpr(KEY_NEG_INF)
-_BISECT_STEPS = tl.constexpr(BISECT_STEPS)
+_KEY_PAD = tl.constexpr(KEY_PAD)
+_KEY_LO = tl.constexpr(KEY_LO)
+_SEARCH_BITS = tl.constexpr(SEARCH_BITS)
+_FANOUT = tl.constexpr(FANOUT)
+_SEARCH_PASSES = tl.constexpr(SEARCH_PASSES)
 _ONE_MINUS_ULP = tl.constexpr(ONE_MINUS_ULP)
+
+
+def row_reads(top_k: bool = False, top_p: bool = False) -> int:
+    """Passes of ``_sample_kernel`` over a row wider than one tile: each search pass, the
+    top-p total and the draw read the row once (a row that fits in one tile is read once in
+    all)."""
+    return 1 + top_k * SEARCH_PASSES + top_p * (1 + SEARCH_PASSES)
 
 
 @triton.jit
@@ -63,9 +91,67 @@ def _scaled_logits(X, x_rows, row_mask, cols, N, rowmax, inv_temp):
     x = tl.load(x_rows + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)
     # Shift first: z <= 0 can never overflow, however small T is.
     z = (x - rowmax[:, None]) * inv_temp
-    # -0.0 (an underflowed product) becomes +0.0, so that key order and float order agree.
+    # -0.0 (an underflowed product) becomes +0.0, so that key order and float order
+    # agree.
     z = tl.where(z == 0.0, 0.0, z)
     return tl.where(mask, z, float("-inf")), mask
+
+
+@triton.jit
+def _tile(X, x_rows, row_mask, cols, N, rowmax, inv_temp):
+    """The order keys of one tile's z (KEY_PAD on padding: below every candidate). The key
+    is all a pass keeps per element: z comes back from it exactly (:func:`_key_to_z`)."""
+    z, mask = _scaled_logits(X, x_rows, row_mask, cols, N, rowmax, inv_temp)
+    return tl.where(mask, _order_key(z), _KEY_PAD)
+
+
+@triton.jit
+def _key_to_z(key):
+    """The inverse of :func:`_order_key` (NaN for KEY_PAD, which no filter keeps)."""
+    return tl.where(key < 0, key ^ 0x7FFFFFFF, key).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _search(X, x_rows, row_mask, N, rowmax, inv_temp, key_row, floor, target,
+            MASS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            SINGLE_BLOCK: tl.constexpr):
+    """Largest key t with F(t) >= target, where F(t) = #{key >= t} (MASS False) or the
+    sum of e^z over key >= max(t, floor) (MASS True); F(KEY_LO) >= target is the caller's.
+
+    Invariant: the answer is in [lo, lo + 2**w), F(lo) passes, F(lo + 2**w) fails (w = 31
+    at the start). A pass tests the FANOUT - 1 keys lo + j * 2**(w - SEARCH_BITS) and
+    keeps the largest that passes: F is monotone (counts exactly; masses because every
+    F(t) is summed by the same tiles and tree of non-negative terms, and rounding is
+    monotone), so the passing candidates are a prefix. key_row: the row's keys (SINGLE_BLOCK only)."""
+    fan = tl.arange(0, _FANOUT)
+    lo = tl.full([BLOCK_M], _KEY_LO, tl.int32)
+    for p in range(_SEARCH_PASSES):
+        # The last pass may have fewer than FANOUT keys left: step 1 then tests them
+        # all.
+        step = tl.full([], 1, tl.int32) << tl.maximum(31 - _SEARCH_BITS * (p + 1), 0)
+        if MASS:
+            acc = tl.zeros([BLOCK_M, _FANOUT], tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, _FANOUT], tl.int32)
+        for off in range(0, N, BLOCK_N):
+            if SINGLE_BLOCK:
+                key = key_row
+            else:
+                key = _tile(X, x_rows, row_mask, off + tl.arange(0, BLOCK_N), N, rowmax,
+                            inv_temp)
+            if MASS:
+                e = tl.where(key >= floor[:, None], tl.exp(_key_to_z(key)), 0.0)
+            for j in tl.static_range(1, _FANOUT):
+                t = lo + j * step
+                if MASS:
+                    part = tl.sum(tl.where(key >= t[:, None], e, 0.0), axis=1)
+                else:
+                    part = tl.sum((key >= t[:, None]).to(tl.int32), axis=1)
+                acc = tl.where(fan[None, :] == j, acc + part[:, None], acc)
+        cand = lo[:, None] + fan[None, :] * step
+        ok = (acc >= target[:, None]) | (fan[None, :] == 0)  # F(lo) passes (invariant)
+        lo = tl.max(tl.where(ok, cand, _KEY_PAD), axis=1)
+    return lo
 
 
 @triton.jit
@@ -95,77 +181,61 @@ def _sample_kernel(
     if SINGLE_BLOCK:
         # The row fits in registers: read it once; every pass below reuses it.
         cols = tl.arange(0, BLOCK_N)
-        z, mask = _scaled_logits(X, x_rows, row_mask, cols, N, rowmax, inv_temp)
-        key = _order_key(z)
+        key_row = _tile(X, x_rows, row_mask, cols, N, rowmax, inv_temp)
+    else:
+        key_row = rows  # unused: every pass reloads its tiles
 
     # Threshold as an order key: keep z with key >= tau. Start: keep everything.
-    tau = tl.full([BLOCK_M], _KEY_NEG_INF, tl.int32)
+    tau = tl.full([BLOCK_M], _KEY_PAD + 1, tl.int32)
     if HAS_TOP_K:
-        # Largest t with #{key >= t} >= k. Invariant: lo passes, hi fails (no z is above 0).
-        lo = tau
-        hi = tl.full([BLOCK_M], 1, tl.int32)
-        for _ in range(_BISECT_STEPS):
-            mid = lo + ((hi - lo) >> 1)
-            count = tl.zeros([BLOCK_M], tl.int32)
-            for off in range(0, N, BLOCK_N):
-                if not SINGLE_BLOCK:
-                    cols = off + tl.arange(0, BLOCK_N)
-                    z, mask = _scaled_logits(X, x_rows, row_mask, cols, N, rowmax, inv_temp)
-                    key = _order_key(z)
-                count += tl.sum((key >= mid[:, None]).to(tl.int32), axis=1)
-            ok = count >= top_k
-            lo = tl.where(ok, mid, lo)
-            hi = tl.where(ok, hi, mid)
-        tau = lo
+        # Largest t with #{key >= t} >= k: the key of the k-th largest z (ties kept).
+        k = tl.full([BLOCK_M], top_k, tl.int32)
+        tau = _search(X, x_rows, row_mask, N, rowmax, inv_temp, key_row, tau, k,
+                      False, BLOCK_M, BLOCK_N, SINGLE_BLOCK)
     if HAS_TOP_P:
-        # Mass of the top-k set (unnormalized: e^z <= 1, and the max contributes exactly 1).
+        # Mass of the top-k set (unnormalized: e^z <= 1, and the max contributes exactly
+        # 1).
         total = tl.zeros([BLOCK_M], tl.float32)
         for off in range(0, N, BLOCK_N):
-            if not SINGLE_BLOCK:
-                cols = off + tl.arange(0, BLOCK_N)
-                z, mask = _scaled_logits(X, x_rows, row_mask, cols, N, rowmax, inv_temp)
-                key = _order_key(z)
-            total += tl.sum(tl.where(key >= tau[:, None], tl.exp(z), 0.0), axis=1)
-        target = top_p * total
-        # Largest t with S(t) = sum_{key >= t} e^z >= top_p * total: the tokens at or above it
-        # are exactly those whose strictly-more-likely mass is below top_p. S is computed by
-        # one fixed summation tree, so it is monotone in t even after rounding.
-        lo = tau
-        hi = tl.full([BLOCK_M], 1, tl.int32)
-        for _ in range(_BISECT_STEPS):
-            mid = lo + ((hi - lo) >> 1)
-            mass = tl.zeros([BLOCK_M], tl.float32)
-            for off in range(0, N, BLOCK_N):
-                if not SINGLE_BLOCK:
-                    cols = off + tl.arange(0, BLOCK_N)
-                    z, mask = _scaled_logits(X, x_rows, row_mask, cols, N, rowmax, inv_temp)
-                    key = _order_key(z)
-                mass += tl.sum(tl.where(key >= mid[:, None], tl.exp(z), 0.0), axis=1)
-            ok = mass >= target
-            lo = tl.where(ok, mid, lo)
-            hi = tl.where(ok, hi, mid)
-        tau = lo
+            if SINGLE_BLOCK:
+                key = key_row
+            else:
+                key = _tile(X, x_rows, row_mask, off + tl.arange(0, BLOCK_N), N, rowmax,
+                            inv_temp)
+            e = tl.where(key >= tau[:, None], tl.exp(_key_to_z(key)), 0.0)
+            total += tl.sum(e, axis=1)
+        # Largest t with S(t) = sum_{key >= t} e^z >= top_p' * total (top_p' = top_p
+        # less the slack): the tokens at or above it are those whose
+        # strictly-more-likely mass is below top_p'.
+        tau = _search(X, x_rows, row_mask, N, rowmax, inv_temp, key_row, tau,
+                      top_p * total, True, BLOCK_M, BLOCK_N, SINGLE_BLOCK)
     if HAS_MIN_P:
         # p_i >= min_p * p_max  <=>  z_i >= log(min_p): a fixed threshold, intersected.
         tau = tl.maximum(tau, _order_key(tl.full([BLOCK_M], log_min_p, tl.float32)))
     tl.store(Tau + rows, tau, mask=row_mask)
 
-    # The draw: argmax over kept tokens of z - log E (greedy: of z), first index on a tie.
+    # The draw: argmax over kept tokens of z - log E (greedy: of z), first index on a
+    # tie.
     best = tl.full([BLOCK_M], float("-inf"), tl.float32)
     best_idx = tl.zeros([BLOCK_M], tl.int64)
     for off in range(0, N, BLOCK_N):
-        if not SINGLE_BLOCK:
+        if SINGLE_BLOCK:
+            key = key_row
+        else:
             cols = off + tl.arange(0, BLOCK_N)
-            z, mask = _scaled_logits(X, x_rows, row_mask, cols, N, rowmax, inv_temp)
-            key = _order_key(z)
-        keep = mask & (key >= tau[:, None])
+            key = _tile(X, x_rows, row_mask, cols, N, rowmax, inv_temp)
+        keep = key >= tau[:, None]  # padding's key is below every tau
+        z = _key_to_z(key)
         if GREEDY:
             score = z
         else:
-            # Philox counter = the element's index in the (M, N) view: independent of tiling.
+            # Philox counter = the element's index in the (M, N) view: independent of
+            # tiling.
             r = tl.randint(seed, rows[:, None] * N + cols[None, :]).to(tl.uint32, bitcast=True)
-            # V in (0, 1) with 2**-32 steps near 0, where the winners' E live; exact in fp32
-            # except that r >= 2**32 - 128 rounds V up to 1, clamped to keep E finite.
+            # V in (0, 1) with 2**-32 steps near 0, where the winners' E live. (r + 0.5)
+            # has 33 significant bits: the fp32 V is exact only for r < 2**23 (V <
+            # 2**-9); above, the conversion rounds r to 24 bits (steps of up to 2**-24
+            # near 1), and r >= 2**32 - 128 rounds V up to 1, clamped to keep E finite.
             V = tl.minimum((r.to(tl.float32) + 0.5) * 2.3283064365386963e-10, _ONE_MINUS_ULP)
             score = z - tl.log(_exponential(V))
         score = tl.where(keep, score, float("-inf"))
@@ -185,16 +255,24 @@ def _forward(x2d, rowmax, seed, inv_temp, top_k, top_p, log_min_p, *, greedy, bl
     tau = torch.empty((M,), dtype=torch.int32, device=x2d.device)
     if M == 0:
         return out, tau
-    # A tile holds fp32 z, its int32 key and the Philox state per element: at most SAMPLE_TILE
-    # elements, so that ptxas reports no spills (16K-element tiles spilled on sm_75/80/90).
+    # A tile holds an int32 key (and, in the top-p search, an fp32 mass) per element,
+    # then the Philox state: at most SAMPLE_TILE elements, so that ptxas reports no
+    # spills.
     block_n_cfg = triton.next_power_of_2(N)
     single = block_n_cfg <= SAMPLE_TILE
-    block_m = min(SAMPLE_TILE // block_n_cfg, triton.next_power_of_2(M)) if single else 1
+    # A function of N only, never of M: the tile's shape decides how a GPU splits a
+    # row's masses over threads, so a row's bits (and kept set) do not depend on its
+    # batch.
+    block_m = SAMPLE_TILE // block_n_cfg if single else 1
     block_n_cfg = block_n_cfg if single else SAMPLE_TILE
-    num_warps = min(max(block_m * block_n_cfg // 512, 1), 8)  # 16 warps spilled (ptxas, sm_90)
+    # 8 elements per thread: ptxas keeps the keys, masses and Philox state of a
+    # 4096-element tile in registers at 16 warps; at 8 warps it capped itself at 128 and
+    # spilled (sm_90, fp16/bf16).
+    num_warps = SAMPLE_TILE // 256
     if INTERPRET:
-        # The interpreter pays per operation, not per element: give it 64K-element tiles. The
-        # draws do not depend on the tiling (the Philox counter is the element's index).
+        # The interpreter pays per operation, not per element: give it 64K-element
+        # tiles. The draws do not depend on the tiling (the Philox counter is the
+        # element's index).
         if single:
             block_m = min(triton.next_power_of_2(M), max(65536 // block_n_cfg, 1))
         else:
@@ -206,7 +284,8 @@ def _forward(x2d, rowmax, seed, inv_temp, top_k, top_p, log_min_p, *, greedy, bl
     with device_guard(x2d):
         _sample_kernel[(triton.cdiv(M, block_m),)](
             x2d, rowmax, out, tau, x2d.stride(0), M, N, seed,
-            inv_temp, top_k or 0, top_p or 1.0, log_min_p or 0.0,
+            inv_temp, top_k or 0, 1.0 if top_p is None else top_p * (1.0 - TOP_P_SLACK),
+            log_min_p or 0.0,
             GREEDY=greedy,
             HAS_TOP_K=top_k is not None, HAS_TOP_P=top_p is not None,
             HAS_MIN_P=log_min_p is not None,

@@ -1,18 +1,19 @@
-r"""SwiGLU's gate, ``silu(gate) · up``, forward and backward as one-pass Triton kernels.
+r"""SwiGLU's gate, ``silu(gate) · up``, forward and backward as one-pass kernels.
 
-The MLP of Llama and Qwen3 is ``down_proj(silu(gate_proj(x)) * up_proj(x))``. Between the two
-matrix products sits an elementwise map of two tensors,
+The MLP of Llama and Qwen3 is ``down_proj(silu(gate_proj(x)) * up_proj(x))``. Between
+the two matrix products sits an elementwise map of two tensors,
 
 .. math:: y = \operatorname{silu}(g)\, u = \frac{g}{1 + e^{-g}}\, u = g\,\sigma(g)\, u,
 
 with the derivatives
 
 .. math:: \frac{\partial y}{\partial u} = g\,\sigma(g), \qquad
-          \frac{\partial y}{\partial g} = u\,\sigma(g)\bigl(1 + g\,(1 - \sigma(g))\bigr).
+          \frac{\partial y}{\partial g}
+          = u\,\sigma(g)\bigl(1 + g\,(1 - \sigma(g))\bigr).
 
-Eager PyTorch runs it as two kernels (``silu``, then the product: five tensor passes, two
-roundings); the forward here reads g and u once and writes y once, rounding once. The backward
-reads g, u and dy once and writes dg and du: σ is recomputed, never saved.
+Eager PyTorch runs it as two kernels (``silu``, then the product: five tensor passes,
+two roundings); the forward here reads g and u once and writes y once, rounding once.
+The backward reads g, u and dy once and writes dg and du: σ is recomputed, never saved.
 """
 
 import torch
@@ -24,8 +25,8 @@ from ._config import LAUNCH, tl_accumulation_dtype
 from ._runtime import device_guard
 from ._triton_utils import round_to
 
-# Elements per program: 4096 (16 per thread with 8 warps, four 128-bit loads per tensor in
-# fp32, two in fp16/bf16); a row narrower than a block shares the program with its neighbours.
+# Elements per program: 4096 (16 per thread with 8 warps, four 128-bit loads per tensor
+# in fp32, two in fp16/bf16); rows narrower than a block share a program.
 TILE = 4096
 MAX_BLOCK_N = 4096
 
@@ -39,24 +40,24 @@ def _sigmoid(g):
 @triton.jit
 def _swiglu_fwd(
     G, U, Y,                            # pointers: gate, up, output
-    stride_g, stride_u, stride_y,       # row strides, in elements (columns are contiguous)
+    stride_g, stride_u, stride_y,       # row strides in elements (columns contiguous)
     M, N,
     ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
-    g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(ACC)
-    u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(ACC)
+    r, c = rows[:, None], cols[None, :]
+    g = tl.load(G + r * stride_g + c, mask=mask, other=0.0).to(ACC)
+    u = tl.load(U + r * stride_u + c, mask=mask, other=0.0).to(ACC)
     # silu(g)·u in fp32, one rounding at the store (eager PyTorch rounds silu(g) first).
     y = g * _sigmoid(g) * u
-    tl.store(Y + rows[:, None] * stride_y + cols[None, :], round_to(y, Y.dtype.element_ty),
-             mask=mask)
+    tl.store(Y + r * stride_y + c, round_to(y, Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _swiglu_bwd(
-    G, U, DY, DG, DU,                   # pointers: gate, up, upstream gradient, the gradients
+    G, U, DY, DG, DU,                   # pointers: gate, up, dy, and dgate, dup
     stride_g, stride_u, stride_dy, stride_dg, stride_du,
     M, N,
     ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -64,9 +65,10 @@ def _swiglu_bwd(
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
-    g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(ACC)
-    u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(ACC)
-    dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(ACC)
+    r, c = rows[:, None], cols[None, :]
+    g = tl.load(G + r * stride_g + c, mask=mask, other=0.0).to(ACC)
+    u = tl.load(U + r * stride_u + c, mask=mask, other=0.0).to(ACC)
+    dy = tl.load(DY + r * stride_dy + c, mask=mask, other=0.0).to(ACC)
     e = tl.exp(-g)
     sig = 1.0 / (1.0 + e)
     # 1 - σ(g) = e^-g·σ(g) without the cancellation of 1 - σ when g is large (σ near 1);
@@ -74,15 +76,13 @@ def _swiglu_bwd(
     one_minus = tl.where(g >= 0, e * sig, 1.0 - sig)
     du = dy * (g * sig)
     dg = dy * u * (sig * (1.0 + g * one_minus))
-    tl.store(DG + rows[:, None] * stride_dg + cols[None, :], round_to(dg, DG.dtype.element_ty),
-             mask=mask)
-    tl.store(DU + rows[:, None] * stride_du + cols[None, :], round_to(du, DU.dtype.element_ty),
-             mask=mask)
+    tl.store(DG + r * stride_dg + c, round_to(dg, DG.dtype.element_ty), mask=mask)
+    tl.store(DU + r * stride_du + c, round_to(du, DU.dtype.element_ty), mask=mask)
 
 
 def _config(M: int, N: int):
-    """(BLOCK_M, BLOCK_N, num_warps): a tile of at most TILE elements, rows of it when N is
-    short; a function of N only (plus M's bound on tiny inputs)."""
+    """(BLOCK_M, BLOCK_N, num_warps): a tile of at most TILE elements, several rows of
+    it when N is short; a function of N only (plus M's bound on tiny inputs)."""
     block_n = min(triton.next_power_of_2(max(N, 1)), MAX_BLOCK_N)
     block_m = min(max(TILE // block_n, 1), triton.next_power_of_2(max(M, 1)))
     num_warps = min(max(block_m * block_n // 512, 1), 8)
@@ -118,7 +118,8 @@ def _backward(g2d, u2d, dy2d):
     with device_guard(g2d):
         _swiglu_bwd[_grid(M, N, block_m, block_n)](
             g2d, u2d, dy2d, dg, du,
-            g2d.stride(0), u2d.stride(0), dy2d.stride(0), dg.stride(0), du.stride(0), M, N,
+            g2d.stride(0), u2d.stride(0), dy2d.stride(0), dg.stride(0), du.stride(0),
+            M, N,
             ACC=tl_accumulation_dtype(g2d.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=num_warps, **LAUNCH,
         )
@@ -126,7 +127,8 @@ def _backward(g2d, u2d, dy2d):
 
 
 class SwiGLUFunction(torch.autograd.Function):
-    """``swiglu`` with its one-pass Triton backward; saves gate and up (already in memory)."""
+    """``swiglu`` with its one-pass Triton backward; saves gate and up (already in
+    memory)."""
 
     @staticmethod
     def forward(ctx, g2d, u2d, shape):
@@ -143,15 +145,16 @@ class SwiGLUFunction(torch.autograd.Function):
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    r"""``silu(gate) · up``, the gate of a SwiGLU MLP, in one pass (fp32 inside, one rounding).
+    r"""``silu(gate) · up``, the gate of a SwiGLU MLP, in one pass (fp32 inside, one
+    rounding).
 
     Args:
-        gate, up: tensors of one shape (any leading dimensions), float32, float16 or bfloat16
-            (float64 for gradient checks), one dtype, on the kernels' device; rows may be
-            strided (the last dimension contiguous, else copied once).
+        gate, up: tensors of one shape (any leading dimensions), float32, float16 or
+            bfloat16 (float64 for gradient checks), one dtype, on the kernels' device;
+            rows may be strided (the last dimension contiguous, else copied once).
 
-    Returns a tensor of that shape and dtype. Differentiable in ``gate`` and ``up`` (one-pass
-    Triton backward, see :class:`SwiGLUFunction`).
+    Returns a tensor of that shape and dtype. Differentiable in ``gate`` and ``up``
+    (one-pass Triton backward, see :class:`SwiGLUFunction`).
 
     Raises:
         TypeError / ValueError naming the bad argument, before any kernel is launched.
@@ -159,8 +162,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     _validate.check_input(gate, "gate")
     _validate.check_input(up, "up")
     if gate.shape != up.shape:
-        raise ValueError(f"gate and up must have one shape, got gate {tuple(gate.shape)} and "
-                         f"up {tuple(up.shape)}")
+        raise ValueError(f"gate and up must have one shape, got gate "
+                         f"{tuple(gate.shape)} and up {tuple(up.shape)}")
     if up.dtype != gate.dtype:
         raise TypeError(f"up must have gate's dtype, {gate.dtype}, got {up.dtype}")
     _validate.check_same_device("up", up, "gate", gate)

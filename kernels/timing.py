@@ -66,6 +66,10 @@ def compare(
     if DEVICE.type != "cuda":
         if show:
             print(CPU_NOTE)
+            recorded = recorded_figures(candidates)
+            if recorded:
+                print()
+                print("\n".join(recorded))
         return None
     fns = dict(candidates)
     if torch_formula is not None:
@@ -84,6 +88,45 @@ def compare(
     if show:
         print(format_table(rows, title=f"{device_name()}, torch {torch.__version__}, {nbytes / 1e6:.1f} MB moved"))
     return rows
+
+
+def kernels_called(fn: Callable) -> set[str]:
+    """Names a callable (a chapter's timing lambda) calls, read from its code and the code
+    of the functions it closes over: ``lambda: kernels.rms_norm(x, w)`` calls ``rms_norm``.
+    """
+    names: set[str] = set()
+    seen = set()
+    todo = [fn]
+    while todo:
+        f = todo.pop()
+        code = getattr(f, "__code__", None)
+        if code is None or id(code) in seen:
+            continue
+        seen.add(id(code))
+        names.update(code.co_names)
+        todo.extend(
+            c.cell_contents
+            for c in (getattr(f, "__closure__", None) or ())
+            if callable(getattr(c, "cell_contents", None))
+        )
+    return names
+
+
+def recorded_figures(candidates: dict[str, Callable[[], object]]) -> list[str]:
+    """On a CPU: what a recorded GPU run (data/bench/) measured for the kernels these
+    candidates call (their forward, and their backward when a candidate differentiates).
+    Empty when there is no such run."""
+    try:
+        from .bench import report
+        from .bench.cases import CASES
+    except Exception:  # pragma: no cover - the benchmark needs nothing more than torch
+        return []
+    names: set[str] = set()
+    for fn in candidates.values():
+        names |= kernels_called(fn)
+    kernels = {c.kernel for c in CASES} & names
+    directions = {"forward"} | ({"backward"} if names & {"grad", "backward"} else set())
+    return report.recorded_lines(kernels, directions) if kernels else []
 
 
 def format_table(rows: list[dict], title: str = "") -> str:

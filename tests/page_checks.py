@@ -94,11 +94,66 @@ async () => {
 }
 """
 
-# Code blocks (chapter source and shown kernels) whose content is wider than their box.
+# Code blocks whose content is wider than their box: chapter code cells, outputs (printed text,
+# kernel listings shown by kernels.notebook.show_source) and code in prose; each with its text, so
+# that a test can tell a kernel listing from the file it was read from.
 SCROLLING_CODE_JS = r"""
-() => [...document.querySelectorAll("main div.cell_input pre")]
-  .filter(p => p.scrollWidth > p.clientWidth + 1)
-  .map(p => ({over: p.scrollWidth - p.clientWidth, first: p.textContent.split("\n")[0].slice(0, 60)}))
+() => [...document.querySelectorAll("main pre")]
+  .filter(p => p.clientWidth > 0 && p.scrollWidth > p.clientWidth + 1)
+  .map(p => ({over: p.scrollWidth - p.clientWidth, first: p.textContent.split("\n")[0].slice(0, 60),
+              where: p.closest(".cell_input") ? "code cell" : p.closest(".cell_output") ? "output" : "prose",
+              text: p.textContent}))
+"""
+
+# At a phone's width: how much wider than the screen the page is, and which elements stick out
+# past its right edge (the deepest ones, not their ancestors).
+PAGE_WIDTH_JS = r"""
+() => {
+  const W = document.documentElement.clientWidth;
+  const over = Math.max(document.documentElement.scrollWidth, document.body.scrollWidth) - W;
+  const out = [];
+  for (const el of document.querySelectorAll("main *")) {
+    const r = el.getBoundingClientRect();
+    if (r.width === 0 || r.right <= W + 1) continue;
+    let clipped = false;  // inside a box that scrolls or clips: not the page's width
+    for (let a = el.parentElement; a && a !== document.body; a = a.parentElement) {
+      const o = getComputedStyle(a).overflowX;
+      if (o !== "visible") { clipped = true; break; }
+    }
+    if (!clipped && ![...el.children].some(c => c.getBoundingClientRect().right > W + 1))
+      out.push({tag: el.tagName.toLowerCase(), cls: el.className && String(el.className).slice(0, 40),
+                right: Math.round(r.right), text: el.textContent.trim().slice(0, 60)});
+  }
+  return {width: W, over, out: out.slice(0, 10)};
+}
+"""
+
+# Display equations: wider than their box means cut off unless the box scrolls and a visible
+# cue above the equation says so.
+EQUATIONS_JS = r"""
+() => [...document.querySelectorAll("main div.math")].map(m => {
+  const c = m.querySelector("mjx-container");
+  if (!c) return null;
+  const content = c.querySelector("mjx-math") || c;
+  const need = Math.max(content.getBoundingClientRect().width, c.scrollWidth);
+  const shown = Math.min(c.clientWidth, m.clientWidth);
+  const scrolls = ["auto", "scroll"].includes(getComputedStyle(c).overflowX)
+                  && c.getBoundingClientRect().width <= m.clientWidth + 1;
+  const prev = m.previousElementSibling;
+  const cue = !!prev && prev.classList.contains("scroll-cue") && prev.getBoundingClientRect().height > 0;
+  return {tex: (m.textContent || "").trim().slice(0, 50), need: Math.round(need),
+          shown: Math.round(shown), wide: need > shown + 2, scrolls, cue};
+}).filter(Boolean)
+"""
+
+# Every figure of the page (matplotlib's <img>, plotly's card) with the filter and background the
+# page draws it with.
+FIGURES_LOOK_JS = r"""
+() => [...document.querySelectorAll("main .cell_output img, main .cell_output .book-interactive")]
+  .filter(e => e.getBoundingClientRect().width > 0)
+  .map(e => ({kind: e.tagName === "IMG" ? "image" : "interactive",
+              filter: getComputedStyle(e).filter, background: getComputedStyle(e).backgroundColor,
+              padding: getComputedStyle(e).padding}))
 """
 
 
@@ -107,3 +162,43 @@ def set_theme_script(theme: str) -> str:
     return (f"try {{ localStorage.setItem('mode', '{theme}'); localStorage.setItem('theme', '{theme}'); }}"
             f" catch (e) {{}}; document.documentElement.dataset.theme = '{theme}';"
             f" document.documentElement.dataset.mode = '{theme}';")
+
+
+# ------------------------------------------------------------------ checks of a page's HTML
+# (no browser needed: what the build wrote)
+# A table's delimiter row on a line of its own (|---|:--:|), its dashes possibly turned into en
+# or em dashes by Sphinx's smart quotes (which is what a raw table looks like on the page).
+PIPE_DELIMITER_ROW = __import__("re").compile(
+    r"^[ \t]*\|?(?:[ \t]*:?[-\u2013\u2014]+:?[ \t]*\|){1,}(?:[ \t]*:?[-\u2013\u2014]+:?)?[ \t]*$", 8)  # 8: re.M
+
+
+def _main(html: str):
+    from bs4 import BeautifulSoup
+
+    soup = BeautifulSoup(html, "html.parser")
+    return soup.find("main") or soup
+
+
+def raw_pipe_tables(html: str) -> list[str]:
+    """Markdown pipe tables left as text in the page (a markdown output rendered as CommonMark,
+    which has no tables): a delimiter row (``|---|:--:|``) in the text of <main>, code blocks
+    and inline code left out. Returns a snippet of each."""
+    main = _main(html)
+    for el in main.find_all(["pre", "code", "script", "style"]):
+        el.decompose()
+    text = main.get_text(" ")
+    return [text[max(0, m.start() - 80):m.end() + 40].replace("\n", " ")
+            for m in PIPE_DELIMITER_ROW.finditer(text) if m.group(0).count("|") >= 2]
+
+
+def split_streams(html: str) -> list[str]:
+    """Printed output of one cell split into adjacent boxes of one stream (myst-nb renders each
+    stream message as its own box unless nb_merge_streams is on). Returns the start of each."""
+    out = []
+    for cell_output in _main(html).select("div.cell_output"):
+        boxes = [c for c in cell_output.children if getattr(c, "name", None)]
+        for a, b in zip(boxes, boxes[1:]):
+            for stream in ("stream", "stderr"):  # myst-nb's classes for stdout and stderr
+                if stream in a.get("class", []) and stream in b.get("class", []):
+                    out.append(b.get_text()[:60])
+    return out

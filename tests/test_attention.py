@@ -262,12 +262,15 @@ def test_no_score_matrix_is_allocated():
 
 # ---------------------------------------------------------------- arguments
 
-def test_requires_grad_raises_clearly():
+def test_requires_grad_takes_the_autograd_path():
+    """An input that requires grad gets a graph (its backward: test_attention_backward.py);
+    under no_grad nothing is saved and the same output comes out."""
     q, k, v = qkv(1, 1, 1, 4, 4, 16, torch.float32)
-    with pytest.raises(NotImplementedError, match="no backward"):
-        attention(q.requires_grad_(), k, v)
+    out = attention(q.requires_grad_(), k, v)
+    assert out.grad_fn is not None
     with torch.no_grad():
-        attention(q, k, v)  # no gradient wanted: fine
+        plain = attention(q, k, v)
+    assert plain.grad_fn is None and torch.equal(out.detach(), plain)
 
 
 @pytest.mark.parametrize("call, exc, words", [

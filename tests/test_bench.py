@@ -5,7 +5,9 @@ machinery (cases, providers, bytes, checks, files, provenance), never the number
 """
 
 import csv
+import importlib.util
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -256,3 +258,131 @@ def test_compile_sizes_limits_where_torch_compile_is_timed(monkeypatch):
                      log=lambda *_: None, decode=[(1, 256)], compile_sizes={512})
     assert [(r["N"], r["regime"], r["status"]) for r in rows] == [
         (256, "sweep", "skipped"), (512, "sweep", "ok"), (256, "decode", "skipped")]
+
+
+# ---------------------------------------------------------------- a recorded run in the book
+
+FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "recorded_run"
+
+
+def test_recorded_run_fixture_reads_like_a_gpu_run():
+    """tests/fixtures/recorded_run/ is laid out as `tools/gpu_check.py --record` lays out
+    data/bench/: the benchmark's JSON and CSV, and beside them a folder of the same name with
+    the measured-against-predicted table. Its GPU is named as a fixture."""
+    runs = bench.load_runs(FIXTURE)
+    assert len(runs) == 1
+    run = runs[0]
+    label = bench.label(run)
+    for text in ("Test double GPU", "torch 2.11.0+cu130", "triton 3.6.0", "CUDA 13.0", "2026-01-02"):
+        assert text in label, (text, label)
+    table = bench.comparison(run)
+    assert table is not None and table["meta"]["same_denominator"] is True
+    assert {r["case"] for r in table["rows"]} == {"rms_norm.forward", "rms_norm.backward"}
+
+
+def test_timing_cells_show_a_recorded_run_on_a_cpu(monkeypatch, capsys):
+    """Every chapter's timing cell calls kernels.timing.compare: on a CPU it says that nothing
+    is timed here, then shows what the recorded GPU run measured for the kernels the cell's
+    candidates call, with the GPU, versions, date and the prediction beside each figure."""
+    if DEVICE.type == "cuda":
+        pytest.skip("on a GPU the cell measures live")
+    import kernels
+
+    monkeypatch.setattr(bench.report, "DATA_DIR", FIXTURE)
+    x = torch.randn(4, 256, device=DEVICE, requires_grad=True)
+    w = torch.randn(256, device=DEVICE)
+    assert bench.timing.compare({"ours": lambda: kernels.rms_norm(x, w)}, 1) is None
+    out = capsys.readouterr().out
+    assert bench.timing.CPU_NOTE in out
+    for text in ("Test double GPU", "2026-01-02", "torch 2.11.0+cu130", "triton 3.6.0",
+                 "CUDA 13.0", "recorded in tests/fixtures/recorded_run/"):
+        assert text in out, (text, out)
+    forward = [line for line in out.splitlines() if line.startswith("rms_norm.forward")]
+    assert len(forward) == 2 and not any(line.startswith("rms_norm.backward") for line in out.splitlines())
+    # measured % of copy and predicted %, as recorded (fixture: 91% measured, 97% predicted)
+    assert "91.0%" in forward[0] and "97%" in forward[0], forward[0]
+    # A cell that differentiates shows the backward too; one that calls no benchmarked kernel,
+    # nothing recorded.
+    bench.timing.compare({"fwd+bwd": lambda: torch.autograd.grad(kernels.rms_norm(x, w), x, x)}, 1)
+    assert "rms_norm.backward" in capsys.readouterr().out
+    bench.timing.compare({"other": lambda: kernels.row_variance(x.detach())}, 1)
+    assert "Measured on" not in capsys.readouterr().out
+
+
+def test_no_recorded_run_shows_no_gpu_figure(monkeypatch, capsys, tmp_path):
+    if DEVICE.type == "cuda":
+        pytest.skip("on a GPU the cell measures live")
+    import kernels
+
+    monkeypatch.setattr(bench.report, "DATA_DIR", tmp_path)
+    x, w = torch.randn(4, 256, device=DEVICE), torch.randn(256, device=DEVICE)
+    bench.timing.compare({"ours": lambda: kernels.rms_norm(x, w)}, 1)
+    assert capsys.readouterr().out.strip() == bench.timing.CPU_NOTE
+
+
+def test_plan_run_keeps_its_rows_when_stopped(tmp_path):
+    """--plan with a deadline already past measures the copy, then stops before the first
+    shape: the JSON and CSV are there, marked incomplete, naming where it stopped."""
+    result = bench.main(["--smoke", "--plan", "gpu-day", "--out", str(tmp_path), "--deadline-s", "0"],
+                        log=lambda *_: None)
+    assert result["cut"] and "budget reached before rms_norm.forward" in result["cut"]
+    data = json.loads(result["json"].read_text())
+    assert data["complete"] is False and data["cut"] == result["cut"] and data["results"] == []
+    assert data["copy"]["GB/s"] > 0 and data["provenance"]["plan"] == "gpu-day"
+    assert result["csv"].exists() and not list(tmp_path.glob("*.tmp"))
+
+
+def test_every_plan_entry_is_a_case_and_the_plan_fits_the_gpu_day():
+    from kernels.bench import plan
+
+    names = {c.name for c in bench.CASES}
+    assert [e.case for e in plan.PLAN if e.case not in names] == []
+    assert plan.PLAN[0].case == "rms_norm.forward"  # the headline first
+    for e in plan.PLAN:
+        assert e.shapes and e.smoke and all(i < len(e.shapes) for i in e.compile_at), e
+    rows = [s for s in plan.ROWS]
+    assert all(m * n == plan.ELEMENTS for m, n in rows)
+
+
+def test_plan_smoke_run_rows_in_plan_order(tmp_path):
+    from kernels.bench import plan
+
+    cases = "rms_norm.forward,fused_add_rms_norm.backward"
+    result = bench.main(["--smoke", "--plan", "gpu-day", "--out", str(tmp_path), "--cases", cases,
+                         "--providers", "kernels,torch eager"], log=lambda *_: None)
+    assert result["cut"] is None and not result["failed"], result["errors"]
+    seen = list(dict.fromkeys(f"{r['kernel']}.{r['direction']}" for r in result["results"]))
+    assert seen == cases.split(",")
+    shapes = {(r["M"], r["N"]) for r in result["results"]}
+    assert shapes == set(plan.SMOKE_ROWS)
+    assert all(r["check"] == "ok" for r in result["results"]), result["results"]
+    data = json.loads(result["json"].read_text())
+    assert "complete" not in data and data["provenance"]["shapes"]["rms_norm.forward"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nbclient") is None, reason="needs nbclient")
+def test_speed_of_light_chapter_renders_a_recorded_run(tmp_path):
+    """The chapter, executed with the fixture as data/bench/ ($KERNELS_BENCH_DIR), shows the
+    run's label, its summary and the recorded measured-against-predicted table."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    if DEVICE.type == "cuda":
+        pytest.skip("the GPU run measures live")
+    path = pathlib.Path(bench.ROOT) / "book" / "speed_of_light.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    env_before = os.environ.get("KERNELS_BENCH_DIR")
+    os.environ["KERNELS_BENCH_DIR"] = str(FIXTURE)
+    try:
+        NotebookClient(nb, timeout=600, kernel_name="python3",
+                       resources={"metadata": {"path": str(path.parent)}}).execute()
+    finally:
+        if env_before is None:
+            os.environ.pop("KERNELS_BENCH_DIR")
+        else:
+            os.environ["KERNELS_BENCH_DIR"] = env_before
+    text = "\n".join(str(o.get("text", "")) + str(o.get("data", {}).get("text/markdown", ""))
+                     for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert "Test double GPU" in text and "CUDA 13.0" in text
+    assert "| rms_norm.forward | 32768 | 4096 |" in text  # the recorded comparison table
+    assert "measured % of copy" in text and "predicted %" in text

@@ -1,4 +1,5 @@
-"""The Colab edition (tools/colab_edition.py): plain Jupyter Markdown that Colab renders.
+"""The Colab edition (tools/colab_edition.py, converter in _ext/colab_edition.py): plain Jupyter
+Markdown that Colab renders.
 
 Run on every chapter of _toc.yml: no MyST role or directive is left in any cell, every glue
 placeholder of an executed chapter is resolved (values from this session's executed notebooks,
@@ -15,8 +16,8 @@ import pytest
 
 from book_build import OUT, ROOT, chapter_notebooks, require
 
-sys.path.insert(0, str(ROOT / "tools"))
-import colab_edition  # noqa: E402
+sys.path.insert(0, str(ROOT / "_ext"))
+import colab_edition  # noqa: E402  (_ext/colab_edition.py, run by tools/colab_edition.py)
 
 MYST_ROLE = re.compile(r"\{[\w:.-]+\}`")
 MYST_DIRECTIVE = re.compile(r"^\s*(`{3,}|:{3,})\{[\w:.-]+\}", re.M)
@@ -100,7 +101,7 @@ def test_converter_handles_every_construct():
     assert "> **Careful**" in out and "> **Warning**" in out
     assert "### Exercise 1: Do it" in out and "```python\nx = 1\n```" in out
     assert "<details>\n<summary>Solution to exercise 1" in out and "</details>" in out
-    assert "#### Solution to exercise 1" in out
+    assert "<!-- solution-start 1 -->" in out and "<!-- solution-end -->" in out  # for convert()
     assert "**Thing**" in out
     assert not MYST_ROLE.search(without_code(out)) and not MYST_DIRECTIVE.search(out)
     assert "(sec-a)=" not in out and "% a MyST" not in out
@@ -108,21 +109,89 @@ def test_converter_handles_every_construct():
         conv.markdown("{glue:text}`missing:.3g`")
 
 
-def test_gated_solution_code_is_kept_and_hidden():
-    nb = {"metadata": {}, "nbformat": 4, "nbformat_minor": 5, "cells": [
-        {"cell_type": "markdown", "metadata": {}, "source": "# T"},
-        {"cell_type": "markdown", "metadata": {}, "source": "```{exercise} Q\n:label: t-ex-1\nWhy?\n```"},
-        {"cell_type": "markdown", "metadata": {}, "source": "```{solution-start} t-ex-1\n```"},
-        {"cell_type": "code", "metadata": {}, "source": "assert 1 + 1 == 2", "outputs": [],
-         "execution_count": None},
-        {"cell_type": "markdown", "metadata": {}, "source": "Because.\n```{solution-end}\n```"},
-        {"cell_type": "code", "metadata": {}, "source": "y = 2", "outputs": [], "execution_count": None}]}
+GATED = {"metadata": {}, "nbformat": 4, "nbformat_minor": 5, "cells": [
+    {"cell_type": "markdown", "metadata": {}, "source": "# T"},
+    {"cell_type": "markdown", "metadata": {}, "source": "```{exercise} Q\n:label: t-ex-1\nWhy?\n```"},
+    {"cell_type": "markdown", "metadata": {}, "source":
+        "```{solution-start} t-ex-1\n:class: dropdown\n```\nThe reason, computed:"},
+    {"cell_type": "code", "metadata": {}, "source": "assert 1 + 1 == 2", "outputs": [],
+     "execution_count": None},
+    {"cell_type": "markdown", "metadata": {}, "source": "Because.\n```{solution-end}\n```\n\n## Recap"},
+    {"cell_type": "markdown", "metadata": {}, "source": "```{solution-start} t-ex-1\n```\nAgain."},
+    {"cell_type": "markdown", "metadata": {}, "source": "```{solution-end}\n```"},
+    {"cell_type": "code", "metadata": {}, "source": "y = 2", "outputs": [], "execution_count": None}]}
+
+
+def gated():
     conv = colab_edition.Converter("book/t", {}, {}, {}, {}, "https://h.io/r/")
-    out = colab_edition.convert(nb, "book/t", conv, "note")
-    code = [c for c in out["cells"] if c["cell_type"] == "code"]
+    out = colab_edition.convert(GATED, "book/t", conv, "note")
+    return out["cells"], ["".join(c["source"]) for c in out["cells"]]
+
+
+def test_gated_solution_code_is_kept_and_hidden():
+    cells, _ = gated()
+    code = [c for c in cells if c["cell_type"] == "code"]
     assert code[0]["metadata"]["jupyter"]["source_hidden"] is True
-    assert "jupyter" not in code[1]["metadata"]
-    assert "".join(out["cells"][1]["source"]) == "note"
+    assert code[0]["metadata"]["cellView"] == "form"  # Colab folds a form cell to its title
+    assert "".join(code[0]["source"]).startswith("# @title Solution to exercise 1")
+    assert "assert 1 + 1 == 2" in "".join(code[0]["source"])  # still runs
+    assert "jupyter" not in code[1]["metadata"] and "cellView" not in code[1]["metadata"]
+    assert "".join(cells[1]["source"]) == "note"
+
+
+def test_gated_solution_text_is_folded_and_the_rest_is_not():
+    _, src = gated()
+    start = next(s for s in src if "#### Solution to exercise 1" in s)
+    # the instruction is a paragraph of its own, the solution's text folded after it
+    head, _, rest = start.partition("\n\n<details>")
+    assert "Try the exercise first." in head and "The reason" not in head
+    assert rest.startswith("\n<summary>Solution to exercise 1") and "The reason, computed:" in rest
+    end = next(s for s in src if "Because." in s)
+    assert end.startswith("<details>") and "Because.\n\n</details>" in end
+    assert end.endswith("</details>\n\n## Recap"), "the text after solution-end is not folded"
+    assert any("<summary>Solution to exercise 1 (click" in s and "Again." in s for s in src)
+
+
+def test_no_empty_markdown_cell():
+    cells, src = gated()
+    assert all(s.strip() for c, s in zip(cells, src) if c["cell_type"] == "markdown")
+    assert not any("solution-" in s for s in src)  # no marker left
+
+
+def solution_parts(nb) -> tuple[list[str], set[str]]:
+    """A chapter's gated solutions: their markdown text and the ids of their code cells."""
+    text, code, inside = [], set(), False
+    for c in nb["cells"]:
+        src = "".join(c["source"])
+        if c["cell_type"] == "code":
+            if inside:
+                code.add(c["id"])
+            continue
+        for piece in re.split(r"(\{solution-start\}|\{solution-end\})", src):
+            if piece in ("{solution-start}", "{solution-end}"):
+                inside = piece == "{solution-start}"
+            elif inside:
+                text.append(piece)
+    return text, code
+
+
+PLAIN_LINE = re.compile(r"^[A-Z][A-Za-z ,.;:'()-]{30,}$")  # prose the conversion leaves as it is
+
+
+@pytest.mark.parametrize("path", chapter_notebooks(), ids=lambda p: p.stem)
+def test_every_solution_in_the_book_is_folded(edition, path):
+    """Each gated solution of the chapter: its code cells hidden, its prose inside <details>."""
+    text, code = solution_parts(json.loads(path.read_text()))
+    nb = json.loads((edition / path.relative_to(ROOT)).read_text())
+    for c in nb["cells"]:
+        if c.get("id") in code:
+            assert c["metadata"]["jupyter"]["source_hidden"], f"{path.stem}: solution code shown"
+            assert c["metadata"]["cellView"] == "form"
+    folded = "\n".join(re.findall(r"<details>.*?</details>", "\n".join(
+        "".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown"), re.S))
+    lines = [ln.strip() for t in text for ln in t.splitlines() if PLAIN_LINE.match(ln.strip())]
+    shown = [ln for ln in lines if ln not in folded]
+    assert not shown, f"{path.stem}: solution text in plain view: {shown[:3]}"
 
 
 def test_colab_edition_runs_from_outside_the_repository(edition, tmp_path):
@@ -153,3 +222,16 @@ def test_glue_values_read_both_display_forms(tmp_path):
     p = tmp_path / "x.ipynb"
     p.write_text(json.dumps(nb))
     assert colab_edition.glue_values(p) == {"a": "1.5", "b": "2.5"}
+
+
+def test_glue_values_read_myst_nbs_glue_json(tmp_path):
+    """When myst-nb executes a chapter (make book) it moves the glued values out of the notebook
+    into <chapter>.glue.json, prefix removed: both are read, the file taking precedence."""
+    p = tmp_path / "x.ipynb"
+    p.write_text(json.dumps({"cells": [{"cell_type": "code", "source": "", "outputs": []}]}))
+    (tmp_path / "x.glue.json").write_text(json.dumps({
+        "f": {"output_type": "display_data", "data": {"text/plain": "0.25"},
+              "metadata": {"scrapbook": {"name": "f", "mime_prefix": "application/papermill.record/"}}},
+        "g": {"output_type": "display_data", "data": {"text/plain": ["'a", "b'"]},
+              "metadata": {"scrapbook": {"name": "g", "mime_prefix": ""}}}}))
+    assert colab_edition.glue_values(p) == {"f": "0.25", "g": "'ab'"}

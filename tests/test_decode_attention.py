@@ -1,12 +1,14 @@
 """kernels.decode_attention against the float64 per-row reference, SDPA, and itself.
 
-The properties that make it a server's kernel: a row's bits do not depend on the batch (its
-size, the other rows, their lengths, the cache's capacity), paged equals contiguous bit for bit,
-and no slot at or past a row's length is ever read (those slots hold NaN in every test here: a
-single read of one would put NaN in the output, since 0 · NaN = NaN in P·V).
+The properties that make it a server's kernel: a row's bits do not depend on the batch
+(its size, the other rows, their lengths, the cache's capacity), paged equals contiguous
+bit for bit, and no slot at or past a row's length is ever read (those slots hold NaN in
+every test here: a single read of one would put NaN in the output, since 0 · NaN = NaN
+in P·V).
 
-Interpreter sizes: KV_CHUNK = 128 keys, so rows of 130 … 700 keys span 2 … 6 chunks, enough to
-exercise the merge; ``chunk=32`` (the private test knob) gives more chunks cheaply.
+Interpreter sizes: KV_CHUNK = 128 keys, so rows of 130 … 700 keys span 2 … 6 chunks,
+enough to exercise the merge; ``chunk=32`` (the private test knob) gives more chunks
+cheaply.
 """
 
 import math
@@ -62,9 +64,9 @@ def lens(values, dtype=torch.int32):
 
 def assert_within_bound(out, q, k, v, lengths, window=None, scale=None):
     """Per row, test_attention's bound for bottom-right causal attention over the row's keys,
-    plus the merge: each chunk merge rescales (m, ℓ, acc) by two exp2 and adds, about 4 fp32
-    roundings per chunk, relative to Σ p|v|. A mask off by one key or a chunk merged twice or
-    not at all moves the output by ~|v|/n, far above this at these sizes."""
+    plus the merge: each chunk merge rescales (m, ℓ, acc) by two exp2 and adds, about 4
+    fp32 roundings per chunk, relative to Σ p|v|. A mask off by one key or a chunk
+    merged twice or not at all moves the output by ~|v|/n, far above this at these sizes."""
     out64 = on_cpu(out).double()
     assert not torch.isnan(out64).any(), "NaN in the output: a slot past a length was read"
     for b, n in enumerate(lengths):
@@ -82,7 +84,8 @@ def assert_within_bound(out, q, k, v, lengths, window=None, scale=None):
             f"row {b}: error {err.max():.3g} > bound {bound.flatten()[torch.argmax(err - bound)]:.3g}")
 
 
-CASES = [  # (H, H_kv, Sq, D, lengths, S_max): odd lengths, one to several chunks, GQA, Sq > 1
+# (H, H_kv, Sq, D, lengths, S_max): odd lengths, one to several chunks, GQA, Sq > 1
+CASES = [
     (1, 1, 1, 16, [1], 1),
     (4, 2, 1, 32, [7, 130, 300], 301),
     (8, 2, 1, 64, [129, 257], 400),
@@ -277,7 +280,8 @@ BAD = [
      ValueError, "block_table must have shape (2, max_blocks)"),
     (lambda q, k, v, n: (q, k, v, n), {"block_table": [[0], [1]]},
      TypeError, "block_table must be a torch.Tensor"),
-    # Values (one host synchronization): lengths in [0, capacity], used table entries valid.
+    # Values (one host synchronization): lengths in [0, capacity], used table entries
+    # valid.
     (lambda q, k, v, n: (q, k, v, lens([3, 9])), {}, ValueError, "capacity, k_cache.shape[2] = 8"),
     (lambda q, k, v, n: (q, k, v, lens([-1, 2])), {}, ValueError, "cache_seqlens must be >= 0"),
     (lambda q, k, v, n: (q, k, v, lens([3, 9])),

@@ -28,7 +28,8 @@ PATHS = [("rms_norm", "forward"), ("rms_norm", "backward"), ("layer_norm", "forw
          ("layer_norm", "backward"), ("fused_add_rms_norm", "forward"), ("qk_norm_rope", "forward"),
          ("fused_add_rms_norm", "backward"), ("qk_norm_rope", "backward"),
          ("softmax", "forward"), ("softmax", "backward"), ("cross_entropy", "forward"),
-         ("cross_entropy", "backward"), ("attention", "forward"), ("sample", "forward"),
+         ("cross_entropy", "backward"), ("attention", "forward"), ("attention", "backward"),
+         ("sample", "forward"),
          ("row_variance.two_pass", "forward"), ("row_variance.one_pass", "forward"),
          ("row_variance.welford", "forward"),
          # fp32 inputs with statistics accumulated in bf16 (the variance chapter's experiment)
@@ -51,8 +52,11 @@ INDEX_GATHERS = {("decode_attention.paged", "forward"): "Table"}
 #: - vector: qk_norm_rope loads q, k, cos and sin 64 bits at a time (each half of a head
 #:   separately, for the rotation), not 128.
 #: - vector: qk_norm_rope's backward loads cos and sin the same way.
-#: - spills: attention on sm_75 (a T4) in fp16 spills about 0.9 KB per thread at head_dim 128:
-#:   there tl.dot has no bf16 and its fp16 tiles need another tile_config.
+#: attention's sm_75 spills went when the inspector's CPU tensors stopped hiding the arch from
+#: attention.tile_config (it had picked the tensor-core tiles for sm_75).
+#: - spills: attention's backward in fp32 on sm_90, the dK/dV kernel at one decode shape
+#:   (seq 8, whose lengths are not multiples of 16): 32 bytes at 80 registers; its bench
+#:   shapes and the other archs and dtypes do not spill.
 KNOWN_TO_FAIL = {
     (check, arch, call, phase)
     for arch in ARCHS
@@ -60,7 +64,18 @@ KNOWN_TO_FAIL = {
         ("vector", "qk_norm_rope", "forward"),
         ("vector", "qk_norm_rope", "backward"),
     ]
-} | {("spills", 75, "attention", "forward")}
+} | {("spills", 90, "attention", "backward")}
+
+#: The declared floor, Triton 3.6 (the GPU machine's), spills where 3.9 does not, with the
+#: same tiles (sm_90, measured for issue 17): _rms_norm_bwd fp16/bf16 at M = 32,768, N = 2048
+#: (BLOCK_M 2, BLOCK_N 2048, 16 warps, 64 registers: 8 B stored, 8 B loaded), and the top-k/
+#: top-p _sample_kernel (BLOCK_N 4096, 8 warps: 4 B) in fp32 at every N >= 8192 and in fp16
+#: at M = 1, N = 8192. Expected failures under Triton < 3.9, not strict: sm_80 and sm_75 were
+#: not measured under 3.6.
+_TRITON = tuple(int(p) for p in __import__("triton").__version__.split(".")[:2])
+FLOOR_MAY_FAIL = {("spills", arch, call, phase) for arch in ARCHS
+                  for call, phase in [("rms_norm", "backward"), ("sample", "forward")]
+                  } if _TRITON < (3, 9) else set()
 
 #: Calls that take no fp64 (the gradient checks that launch fp64 do not apply to them).
 NO_FP64 = {"attention", "decode_attention", "decode_attention.paged"}
@@ -97,6 +112,8 @@ def _params(check):
             marks = ()
             if (check, arch, call, phase) in KNOWN_TO_FAIL:
                 marks = pytest.mark.xfail(strict=True, reason="known today; remove from KNOWN_TO_FAIL once fixed")
+            elif (check, arch, call, phase) in FLOOR_MAY_FAIL:
+                marks = pytest.mark.xfail(strict=False, reason="spills under the floor's Triton")
             out.append(pytest.param(arch, call, phase, marks=marks, id=f"sm_{arch}-{call}-{phase}"))
     return out
 

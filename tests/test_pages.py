@@ -4,10 +4,13 @@ laptop), in the light and the dark theme (tests/page_checks.py holds the measure
 - text contrast >= 4.5:1 (WCAG AA) everywhere in <main>, table outputs and code in tables included;
 - figures sharp (SVG, or PNG with twice the pixels shown) and, at 390 px, their text >= 9 CSS px;
 - tables pad their cells, keep numbers on one line, and say when they scroll sideways;
-- no code block scrolls sideways at 1366 px;
+- no code block scrolls sideways at 1366 px (kernel listings and outputs included); at 390 px no
+  page is wider than the screen, and a wide equation scrolls in its own box with a cue;
+- no markdown table shown as raw text, no printed output split into several boxes;
+- dark mode: every figure (matplotlib's or plotly's) dimmed alike;
 - interactive figures: drawn by the book's own plotly.js, no request leaves the page, and moving a
   slider changes the plotted data;
-- the .ipynb download button saves a notebook file.
+- the .ipynb download button saves the chapter's Colab edition.
 """
 
 import json
@@ -15,8 +18,10 @@ import json
 import pytest
 
 from book_build import ROOT
-from page_checks import CONTRAST_JS, FIGURE_TEXT_JS, SCROLLING_CODE_JS, set_theme_script
-from test_html import CHROMIUM, NOTEBOOK_PAGES, load_page
+import page_checks
+from page_checks import (CONTRAST_JS, EQUATIONS_JS, FIGURE_TEXT_JS, FIGURES_LOOK_JS, PAGE_WIDTH_JS,
+                         SCROLLING_CODE_JS, set_theme_script)
+from test_html import CHROMIUM, NOTEBOOK_PAGES, PAGES, block_non_local, load_page
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Chromium not installed (apt-get install chromium)")
 
@@ -29,8 +34,18 @@ def open_view(browser, server, page_path, width=1366, theme="light", downloads=F
     """A page at a viewport width and theme; every non-local request is blocked and recorded.
     Shared with the other tests of that page and width (test_html.load_page): the theme is
     switched in place. A test that changes the page asks for ``fresh=True``."""
-    page, _, blocked = load_page(browser, server, page_path, width, fresh=fresh)
-    page.evaluate(f"() => {{ {set_theme_script(theme)} }}")
+    if fresh:  # its own page, loaded in the theme from the start (scripts that read it on load)
+        context = browser.new_context(viewport={"width": width, "height": 900},
+                                      accept_downloads=downloads)
+        context.add_init_script(set_theme_script(theme))
+        page = context.new_page()
+        blocked = block_non_local(page, server)
+        response = page.goto(f"{server}/{page_path}.html", wait_until="load")
+        assert response is not None and response.ok
+        page.wait_for_timeout(300)  # the page's own scripts (scroll cues, figures) have run
+    else:
+        page, _, blocked = load_page(browser, server, page_path, width)
+        page.evaluate(f"() => {{ {set_theme_script(theme)} }}")
     assert page.evaluate("document.documentElement.dataset.theme") == theme
     return page, blocked
 
@@ -75,16 +90,109 @@ def test_figure_text_legible_on_a_phone(browser, server, page_path):  # noqa: F8
         page.context.close()
 
 
+# TEMPORARY: kernels/ files with lines over 88 columns, whose listings (show_source) still scroll
+# at 1366 px. Each listing that scrolls must come from one of these files, line for line; the list
+# is emptied when kernels/ is reformatted to 88 columns, and a file that no longer has a long
+# line must leave it (test_long_line_exemptions_are_still_needed).
+KERNEL_FILES_WITH_LONG_LINES: list[str] = [
+    "kernels/_reduce.py", "kernels/attention.py", "kernels/bench/cases.py",
+    "kernels/decode_attention.py", "kernels/fused_add_rms_norm.py", "kernels/hf.py",
+    "kernels/layer_norm.py", "kernels/qk_norm_rope.py", "kernels/reference.py",
+    "kernels/rms_norm.py", "kernels/sampling.py", "kernels/speculative.py", "kernels/timing.py",
+]
+CODE_COLUMNS = 88
+
+
+def from_exempt_kernel_file(text: str) -> str | None:
+    """The exempted kernels/ file that a scrolling listing's long lines were all read from."""
+    long = [ln.strip() for ln in text.splitlines() if len(ln) > CODE_COLUMNS]
+    for name in KERNEL_FILES_WITH_LONG_LINES:
+        source = {ln.strip() for ln in (ROOT / name).read_text().splitlines()}
+        if long and all(ln in source for ln in long):
+            return name
+    return None
+
+
+def test_long_line_exemptions_are_still_needed():
+    done = [n for n in KERNEL_FILES_WITH_LONG_LINES
+            if max(map(len, (ROOT / n).read_text().splitlines())) <= CODE_COLUMNS]
+    assert not done, f"{done} fit {CODE_COLUMNS} columns now: remove them from KERNEL_FILES_WITH_LONG_LINES"
+
+
 @pytest.mark.parametrize("page_path", NOTEBOOK_PAGES)
 def test_no_code_block_scrolls_at_desktop_width(browser, server, page_path):  # noqa: F811
-    """No chapter code cell scrolls sideways at 1366 px (the cells are at most 88 columns). Kernel
-    source shown from kernels/ keeps the package's own line lengths and may scroll."""
+    """No code block scrolls sideways at 1366 px: chapter code cells (at most 88 columns), their
+    outputs, code in prose, and the kernel listings shown from kernels/ (drawn at the code cells'
+    size; the files with longer lines, until reformatted, are listed above)."""
     page, _ = open_view(browser, server, page_path, 1366)
     try:
-        wide = page.evaluate(SCROLLING_CODE_JS)
+        wide = [w for w in page.evaluate(SCROLLING_CODE_JS)
+                if not (w["where"] == "output" and from_exempt_kernel_file(w["text"]))]
+        for w in wide:
+            del w["text"]
         assert not wide, f"{page_path} at 1366 px: {len(wide)} code blocks scroll sideways, e.g. {wide[:3]}"
     finally:
         page.context.close()
+
+
+@pytest.mark.parametrize("page_path", PAGES)
+def test_no_page_is_wider_than_a_phone(browser, server, page_path):  # noqa: F811
+    """At 390 px nothing widens the page past the screen (a reader could not scroll to it):
+    long inline code wraps, wide tables and equations scroll inside their own boxes."""
+    page, _ = open_view(browser, server, page_path, 390)
+    try:
+        page.wait_for_timeout(200)
+        info = page.evaluate(PAGE_WIDTH_JS)
+        assert info["over"] <= 1 and not info["out"], \
+            f"{page_path} at 390 px: page {info['over']} px wider than the screen; sticking out: {info['out']}"
+    finally:
+        page.context.close()
+
+
+@pytest.mark.parametrize("page_path", PAGES)
+def test_wide_equations_scroll_with_a_cue(browser, server, page_path):  # noqa: F811
+    page, _ = open_view(browser, server, page_path, 390)
+    try:
+        if page.locator("main div.math").count() == 0:
+            pytest.skip(f"{page_path}: no display equation")
+        page.wait_for_function("() => document.querySelectorAll('main div.math mjx-container').length"
+                               " === document.querySelectorAll('main div.math').length", timeout=30000)
+        page.wait_for_timeout(300)  # book.js looks again once MathJax is done
+        bad = [e for e in page.evaluate(EQUATIONS_JS) if e["wide"] and not (e["scrolls"] and e["cue"])]
+        assert not bad, f"{page_path} at 390 px: equations cut off or scrolling without a cue: {bad[:4]}"
+    finally:
+        page.context.close()
+
+
+@pytest.mark.parametrize("page_path", NOTEBOOK_PAGES)
+def test_dark_mode_figures_are_drawn_alike(browser, server, page_path):  # noqa: F811
+    """In the dark theme every figure, matplotlib's and plotly's, gets the theme's treatment of
+    images (dimmed, on the same background): no figure is the one bright card on the page."""
+    page, _ = open_view(browser, server, page_path, 1366, "dark", fresh=True)
+    try:
+        looks = page.evaluate(FIGURES_LOOK_JS)
+        if not looks:
+            pytest.skip(f"{page_path}: no figure shown")
+        kinds = {(f["filter"], f["background"], f["padding"]) for f in looks}
+        assert len(kinds) == 1, f"{page_path}, dark: figures drawn differently: {sorted(kinds)}"
+        assert next(iter(kinds))[0] != "none", f"{page_path}, dark: figures not dimmed"
+    finally:
+        page.context.close()
+
+
+@pytest.mark.parametrize("page_path", NOTEBOOK_PAGES)
+def test_no_raw_markdown_table(built_html, page_path):
+    """A markdown table printed by a cell (kernels.inspect) is rendered as a table, not shown as
+    lines of pipes."""
+    raw = page_checks.raw_pipe_tables((built_html / f"{page_path}.html").read_text())
+    assert not raw, f"{page_path}: {len(raw)} Markdown tables shown as text, e.g. {raw[:2]}"
+
+
+@pytest.mark.parametrize("page_path", NOTEBOOK_PAGES)
+def test_no_output_split_into_boxes_of_one_stream(built_html, page_path):
+    """A cell's printed lines sit in one box (per stream), however many messages carried them."""
+    split = page_checks.split_streams((built_html / f"{page_path}.html").read_text())
+    assert not split, f"{page_path}: {len(split)} printed outputs split into adjacent boxes, at {split[:3]}"
 
 
 @pytest.mark.parametrize("page_path", NOTEBOOK_PAGES)
@@ -99,8 +207,14 @@ def test_tables_pad_cells_keep_numbers_whole_and_cue_scrolling(browser, server, 
             const cue = wide && box.previousElementSibling && box.previousElementSibling.classList.contains('scroll-cue')
                         && box.previousElementSibling.getBoundingClientRect().height > 0;
             // a number cell whose text lies on more than one line (its text's own boxes)
-            const lines = c => { const r = document.createRange(); r.selectNodeContents(c);
-                                 return new Set([...r.getClientRects()].map(x => Math.round(x.top))).size; };
+            // (text nodes only: a cell's <p>, as MyST writes it, is a box of its own)
+            const lines = c => { const tops = new Set();
+                                 const w = document.createTreeWalker(c, NodeFilter.SHOW_TEXT);
+                                 for (let n = w.nextNode(); n; n = w.nextNode()) {
+                                   if (!n.textContent.trim()) continue;
+                                   const r = document.createRange(); r.selectNodeContents(n);
+                                   for (const x of r.getClientRects()) tops.add(Math.round(x.top)); }
+                                 return tops.size; };
             return {
               pad: Math.min(...cells.map(c => parseFloat(getComputedStyle(c).paddingLeft) + parseFloat(getComputedStyle(c).paddingRight))),
               broken: cells.filter(c => c.classList.contains('num') && lines(c) > 1).map(c => c.textContent),
@@ -119,7 +233,7 @@ def test_tables_pad_cells_keep_numbers_whole_and_cue_scrolling(browser, server, 
 
 @pytest.mark.parametrize("page_path", NOTEBOOK_PAGES)
 def test_download_button_saves_a_notebook(browser, server, page_path):  # noqa: F811
-    page, _ = open_view(browser, server, page_path, downloads=True)
+    page, _ = open_view(browser, server, page_path, downloads=True, fresh=True)  # it clicks
     try:
         link = page.locator("a[href*='_sources/'][href$='.ipynb']")
         assert link.count() == 1, f"{page_path}: no .ipynb download link"
@@ -130,6 +244,10 @@ def test_download_button_saves_a_notebook(browser, server, page_path):  # noqa: 
         assert download.suggested_filename == page_path.split("/")[-1] + ".ipynb"
         nb = json.loads(open(download.path()).read())
         assert nb["nbformat"] == 4 and nb["cells"], f"{page_path}: the download is not a notebook"
+        # the Colab edition (plain Jupyter Markdown), not the MyST source that Jupyter shows raw
+        markdown = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+        assert "**Colab edition**" in markdown, f"{page_path}: the download is not the Colab edition"
+        assert "{doc}`" not in markdown and "{glue:text}`" not in markdown, f"{page_path}: MyST left"
     finally:
         page.context.close()
 

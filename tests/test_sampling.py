@@ -267,3 +267,119 @@ def test_bad_arguments_raise_clear_errors(call, exc, words, monkeypatch):
 
 # The GPU compiler's view of every sample variant (registers, spills, sm_90/80/75) is
 # tests/test_inspect.py's, like every other kernel's.
+
+
+# ------------------------------------------------------------------ top-p at its boundary, and HF
+
+def hf_kept(x, temperature=1.0, top_k=None, top_p=None):
+    """The tokens Hugging Face's warpers keep, in its order (temperature, top-k, top-p)."""
+    from transformers.generation.logits_process import (TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+
+    s = x.double().cpu().reshape(-1, x.shape[-1])  # float64: HF's own rounding out of the way
+    s = TemperatureLogitsWarper(temperature)(None, s)
+    if top_k is not None:
+        s = TopKLogitsWarper(top_k)(None, s)
+    if top_p is not None:
+        s = TopPLogitsWarper(top_p)(None, s)
+    return (s > -math.inf).reshape(x.shape)
+
+
+def test_hugging_faces_own_top_p_examples():
+    """transformers' test_top_p_dist_warper: log([0.3, 0.1, 0.1, 0.5]) with top_p = 0.8 keeps
+    {0, 3} (the mass above each 0.1 token is exactly 0.8: it reaches top_p); the second row
+    drops only 0.15. Its ramp: logits -5..4 keep three tokens at top_p = 0.9; ×100, one."""
+    dist = torch.log(torch.tensor([[0.3, 0.1, 0.1, 0.5], [0.15, 0.3, 0.3, 0.25]]))
+    expected = torch.tensor([[True, False, False, True], [False, True, True, True]])
+    ramp = torch.arange(10, dtype=torch.float32).expand(2, 10) - 5
+    ramp = ramp * torch.tensor([[1.0], [100.0]])
+    for x, top_p, want in [(dist, 0.8, expected), (ramp, 0.9, None)]:
+        for block_n in (None, 2):  # one block, and the looped path with several tiles
+            kept = kept_by_kernel(x.to(DEVICE), block_n=block_n, top_p=top_p)
+            assert torch.equal(kept, hf_kept(x, top_p=top_p))
+            assert torch.equal(kept, ref.sampling_probs(x, top_p=top_p) > 0)
+            if want is not None:
+                assert torch.equal(kept, want)
+    assert kept.sum(-1).tolist() == [3, 1]
+    # And the draws: 4096 of the first row, never a 0.1 token.
+    draws = sample(dist[0].to(DEVICE).expand(4096, 4), top_p=0.8, generator=3)
+    assert set(draws.unique().tolist()) == {0, 3}
+
+
+def test_mass_meant_to_be_exactly_top_p_at_the_vocabulary_of_qwen3():
+    """A row whose two top tokens hold 0.5 + 0.3 and whose 151,934 others share 0.2 equally:
+    the mass above every tail token is exactly 0.8, so top_p = 0.8 keeps two tokens. The fp32
+    sums over the row err by far more than the few ulp of the 4-token example; the slack
+    decides the row as exact arithmetic does. Just outside the band (0.8 · (1 + 2**-13)) the
+    tail is kept, as the exact rule says."""
+    n = 151_936
+    p = torch.full((n,), 0.2 / (n - 2), dtype=torch.float64)
+    p[7], p[n - 3] = 0.5, 0.3
+    x = torch.log(p).float().to(DEVICE)
+    kept = kept_by_kernel(x[None], top_p=0.8)[0]
+    assert kept.nonzero().flatten().tolist() == [7, n - 3]
+    assert torch.equal(kept, ref.sampling_probs(x, top_p=0.8)[None][0] > 0)
+    assert bool(kept_by_kernel(x[None], top_p=0.8 * (1 + 2**-13)).all())
+
+
+def test_top_p_slack_is_far_above_the_kernels_rounding():
+    """The slack must exceed the relative error of the kernel's masses (fp32 e^z, summed by a
+    tree within a tile and across tiles in order), or the band it decides would be decided by
+    rounding again. Measured here on a vocabulary-sized row against float64: below 2**-20,
+    16 times smaller than the slack. On a GPU, ex2.approx adds about 2 ulp (2**-22) per term,
+    which moves a sum of positive terms by at most as much, relatively."""
+    n = 151_936
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(n, generator=g) * 3
+    z = (x - x.max()).float()
+    e32 = torch.exp(z)
+    # The kernel's order: tiles of SAMPLE_TILE summed by a tree, tiles added in turn.
+    total = torch.zeros((), dtype=torch.float32)
+    for tile in e32.split(sampling.SAMPLE_TILE):
+        total = total + tile.sum()
+    exact = torch.exp(z.double()).sum()
+    assert abs(total.double() / exact - 1) < 2.0**-20 <= sampling.TOP_P_SLACK / 16
+
+
+def test_top_p_ties_keep_the_whole_group_where_hugging_face_splits_it():
+    """HF sorts, so among tokens tied at the boundary it keeps those its sort puts last. The
+    kernel keeps the whole tie group: HF's kept set plus the rest of the group."""
+    x = torch.log(torch.tensor([0.4, 0.15, 0.15, 0.15, 0.15]))
+    kept = kept_by_kernel(x[None].to(DEVICE), top_p=0.5)[0]
+    assert kept.tolist() == [True] * 5  # mass above the 0.15 group is 0.4 < 0.5
+    hf = hf_kept(x, top_p=0.5)
+    assert 1 < int(hf.sum()) < 5 and bool(hf[0]) and bool((kept | ~hf).all())
+
+
+@pytest.mark.parametrize("kw", [dict(top_p=0.9), dict(top_k=20), dict(top_k=30, top_p=0.7),
+                                dict(temperature=0.7, top_k=50, top_p=0.95)], ids=str)
+@pytest.mark.parametrize("block_n", [None, 64])
+def test_kept_set_equals_hugging_faces_warpers(kw, block_n):
+    """Random rows (no ties), 300 tokens: the kernel's kept set is HF's, row by row."""
+    g = torch.Generator().manual_seed(17)
+    x = (torch.randn(8 if block_n is None else 3, 300, generator=g) * 2).to(DEVICE)
+    assert torch.equal(kept_by_kernel(x, block_n=block_n, **kw), hf_kept(x, **kw))
+
+
+def test_search_pins_the_threshold_in_its_passes():
+    """SEARCH_PASSES passes of SEARCH_BITS bits cover the 2**31 keys of z in [-inf, 0]; the
+    reads per row are the passes plus the draw (and the top-p total)."""
+    assert sampling.SEARCH_BITS * sampling.SEARCH_PASSES >= 31
+    assert sampling.KEY_LO <= sampling.KEY_NEG_INF and sampling.KEY_PAD < sampling.KEY_LO
+    assert sampling.row_reads() == 1
+    assert sampling.row_reads(top_k=True) == sampling.SEARCH_PASSES + 1
+    assert sampling.row_reads(top_k=True, top_p=True) == 2 * sampling.SEARCH_PASSES + 2
+
+
+@pytest.mark.parametrize("n", [50, 300])
+def test_a_rows_threshold_and_draw_do_not_depend_on_its_batch(n):
+    """Tiles depend on N only (never on M): row 0's threshold key and draw are the same alone
+    and in batches of 3 and 64 (its Philox counters, r·N + c with r = 0, are the same too).
+    A threshold found by a different reduction order could move at a top-p boundary."""
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(64, n, generator=g) * 2).to(DEVICE)
+    filters = (0.9, 20, 0.8, None, 41)  # temperature, top-k, top-p, min-p, seed
+    alone = sampling._launch(x[:1], x[:1].amax(-1), *filters)
+    for m in (3, 64):
+        batch = sampling._launch(x[:m], x[:m].amax(-1), *filters)
+        assert batch[0][0] == alone[0][0] and batch[1][0] == alone[1][0]

@@ -24,8 +24,8 @@ def draw(probs, generator):
 
 def chi_square_p_value(counts, expected):
     """Pearson's test; every expected count must be >= 5 for the χ² approximation to hold.
-    The p-value is the χ² survival function, Q(df/2, X²/2) (the regularized upper incomplete
-    gamma function; torch has it, so no scipy is needed)."""
+    The p-value is the χ² survival function, Q(df/2, X²/2) (the regularized upper
+    incomplete gamma function; torch has it, so no scipy is needed)."""
     keep = expected > 0
     assert bool((counts[~keep] == 0).all()), "a token of probability 0 was emitted"
     assert float(expected[keep].min()) >= 5, "too few draws for the chi-square approximation"
@@ -39,9 +39,10 @@ def chi_square_p_value(counts, expected):
 @pytest.mark.parametrize("K", [1, 3])
 def test_first_emitted_token_is_distributed_as_p(K):
     """One (p, q) pair replicated over many rows: the first emitted token (the accepted draft,
-    or the replacement drawn from norm(max(0, p − q))) must follow p_1 exactly. p_1 and q_1
-    differ a lot (different random logits), so a wrong residual (e.g. drawing from p instead of
-    (p − q)₊, or from q) is off by far more than the χ² test's resolution at 40,000 draws."""
+    or the replacement drawn from norm(max(0, p − q))) must follow p_1 exactly. p_1 and
+    q_1 differ a lot (different random logits), so a wrong residual (e.g. drawing from p
+    instead of (p − q)₊, or from q) is off by far more than the χ² test's resolution at
+    40,000 draws."""
     g = torch.Generator().manual_seed(K)
     q1 = dists(1, K, generator=g, sharp=2.0)
     p1 = dists(1, K + 1, generator=g, sharp=2.0)
@@ -80,7 +81,8 @@ def test_every_emitted_position_follows_p_given_the_prefix():
         reached = accepted >= pos
         counts = torch.bincount(out[reached, pos], minlength=V).double()
         assert chi_square_p_value(counts, reached.sum() * p1) > 1e-3, pos
-    # Acceptance count: geometric-truncated with α = Σ min(p, q) per position (i.i.d. here).
+    # Acceptance count: geometric-truncated with α = Σ min(p, q) per position (i.i.d.
+    # here).
     alpha = float(ref.speculative_acceptance(p1, q1))
     expected = torch.tensor([(1 - alpha), alpha * (1 - alpha), alpha**2], dtype=torch.float64)
     observed = torch.bincount(accepted, minlength=K + 1).double()
@@ -98,7 +100,8 @@ def test_q_equal_p_accepts_everything_and_emits_a_bonus():
     out, accepted = on_cpu(out, accepted)
     assert bool((accepted == K).all())
     assert torch.equal(out[:, :K], tokens)
-    assert bool((out[:, K] >= 1).all())  # the bonus, from p_{K+1}: never token 0 (p = 0)
+    # the bonus, from p_{K+1}: never token 0 (p = 0)
+    assert bool((out[:, K] >= 1).all())
 
 
 def test_layout_of_tokens():
@@ -134,7 +137,8 @@ def test_reproducible_from_a_seed_or_a_generator():
     g1, g2 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
     first = speculative_sample(*args, generator=g1)
     assert torch.equal(first[0], speculative_sample(*args, generator=g2)[0])
-    assert not torch.equal(speculative_sample(*args, generator=g1)[0], first[0])  # advanced
+    # advanced
+    assert not torch.equal(speculative_sample(*args, generator=g1)[0], first[0])
 
 
 def test_empty_batch_and_k_zero():

@@ -15,7 +15,21 @@
       if (NUMBER.test(c.textContent)) c.classList.add("num");
     });
   }
-  // A wide table says that it scrolls (on a phone the scrollbar is hidden until touched).
+  // A wide table or equation says that it scrolls (on a phone the scrollbar is hidden until
+  // touched): a cue above its scrolling box.
+  function cue(box, before, wide, what) {
+    var el = before.previousElementSibling;
+    var has = el && el.classList.contains("scroll-cue");
+    if (wide && !has) {
+      el = document.createElement("div");
+      el.className = "scroll-cue";
+      el.textContent = "wide " + what + ": scroll sideways →";
+      before.parentNode.insertBefore(el, before);
+    } else if (!wide && has) {
+      el.remove();
+    }
+    box.classList.toggle("scrolls-x", wide);
+  }
   function scrollCues() {
     document.querySelectorAll("main table").forEach(function (t) {
       var box = t.parentElement;
@@ -29,18 +43,13 @@
         t.parentNode.insertBefore(box, t);
         box.appendChild(t);
       }
-      var wide = box.scrollWidth > box.clientWidth + 2;
-      var cue = box.previousElementSibling;
-      var has = cue && cue.classList.contains("scroll-cue");
-      if (wide && !has) {
-        cue = document.createElement("div");
-        cue.className = "scroll-cue";
-        cue.textContent = "wide table: scroll sideways →";
-        box.parentNode.insertBefore(cue, box);
-      } else if (!wide && has) {
-        cue.remove();
-      }
-      box.classList.toggle("scrolls-x", wide);
+      cue(box, box, box.scrollWidth > box.clientWidth + 2, "table");
+    });
+    // A display equation scrolls in its MathJax container (book.css); the cue goes above the
+    // equation's block.
+    document.querySelectorAll("main div.math").forEach(function (m) {
+      var box = m.querySelector("mjx-container");
+      if (box) cue(box, m, box.scrollWidth > box.clientWidth + 2, "equation");
     });
   }
   function all() { downloads(); numbers(); scrollCues(); }

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import os
 import pathlib
 from dataclasses import dataclass
 from typing import Callable
@@ -19,7 +20,8 @@ import torch
 from .. import timing
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-DATA_DIR = ROOT / "data" / "bench"
+# $KERNELS_BENCH_DIR: read recorded runs from there instead (the tests' fixture).
+DATA_DIR = pathlib.Path(os.environ.get("KERNELS_BENCH_DIR") or ROOT / "data" / "bench")
 
 SWEEP = [256 * 2**i for i in range(11)]  # 256 … 262,144
 ELEMENTS = 2**26                         # elements per row-sized tensor: M = ELEMENTS // N rows
@@ -192,19 +194,30 @@ def build_layer_norm(M, N, dtype, device, backward=False):
                    wrt=(0, 1, 2), grad_outputs=(dy,), shape=f"x ({M}, {N})")
 
 
-def build_fused_add_rms_norm(M, N, dtype, device):
+def build_fused_add_rms_norm(M, N, dtype, device, backward=False):
     ours = _kernel("fused_add_rms_norm")
-    x, r = _rand(M, N, dtype=dtype, device=device), _rand(M, N, dtype=dtype, device=device)
+    x = _rand(M, N, dtype=dtype, device=device)
+    r = _rand(M, N, dtype=dtype, device=device)
     w = _rand(N, dtype=dtype, device=device)
     try:
         fn = _liger("fused_add_rms_norm", "LigerFusedAddRMSNormFunction")
         liger = lambda x, r, w: fn.apply(x, r, w, 1e-6)  # noqa: E731
     except Skip as exc:
         liger = exc
+    call = lambda x, r, w: ours(x, r, w, 1e-6)  # noqa: E731
+    shape = f"x, residual ({M}, {N})"
+    if backward:
+        _needs_backward(call, x, r, w)
+        dy = _rand(M, N, dtype=dtype, device=device)
+        dh = _rand(M, N, dtype=dtype, device=device)
+        # Must move: read h (saved), w, dy and the residual stream's gradient dh; write
+        # the gradient of x + residual (one tensor for both) and dw.
+        nbytes = timing.bytes_moved(x, w, dy, dh, torch.empty_like(x), torch.empty_like(w))
+        return Problem((x, r, w), nbytes, call, torch_fused_add_rms_norm, liger,
+                       wrt=(0, 1, 2), grad_outputs=(dy, dh), shape=shape)
     # Must move: read x, residual, w; write y and residual_out.
     nbytes = timing.bytes_moved(x, r, w, torch.empty_like(x), torch.empty_like(x))
-    return Problem((x, r, w), nbytes, lambda x, r, w: ours(x, r, w, 1e-6), torch_fused_add_rms_norm,
-                   liger, shape=f"x, residual ({M}, {N})")
+    return Problem((x, r, w), nbytes, call, torch_fused_add_rms_norm, liger, shape=shape)
 
 
 def build_qk_norm_rope(M, N, dtype, device):
@@ -286,6 +299,24 @@ def build_attention(M, N, dtype, device):
                    shape=f"q ({batch}, {hq}, {seq}, {HEAD_DIM}), k, v ({batch}, {hk}, {seq}, {HEAD_DIM})")
 
 
+def build_attention_backward(M, N, dtype, device):
+    """The backward of build_attention's causal GQA attention (dq, dk, dv). The runner
+    times the backward alone; its useful work is the four products of a backward that had
+    P (dV, dP, dQ, dK: 4 · 2·seq²·d flops per head, halved by the causal mask), recorded
+    in ``shape``: TFLOP/s = flop / time, against SDPA's backward on the same inputs."""
+    problem = build_attention(M, N, dtype, device)
+    q, k, v = problem.inputs
+    _needs_backward(problem.ours, q, k, v)
+    batch, hq, seq, d = q.shape
+    flop = 4 * 2 * batch * hq * seq * seq * d // 2
+    dout = _rand(*q.shape, dtype=dtype, device=device)
+    # Must move: read q, k, v, O, dO (and L, D: one number a row); write dq, dk, dv.
+    nbytes = timing.bytes_moved(q, k, v, dout, dout, q, k, v)
+    return Problem((q, k, v), nbytes, problem.ours, problem.formula, problem.liger,
+                   wrt=(0, 1, 2), grad_outputs=(dout,),
+                   shape=f"{problem.shape}; backward {flop:.4g} flop (4 products)")
+
+
 def build_sample(M, N, dtype, device):
     """Greedy sampling (temperature 0), so that the eager formula, argmax, gives the same tokens."""
     ours = _kernel("sample")
@@ -339,9 +370,14 @@ CASES = [
     Case("cross_entropy", "forward", lambda M, N, dt, dev: build_cross_entropy(M, N, dt, dev)),
     Case("cross_entropy", "backward", lambda M, N, dt, dev: build_cross_entropy(M, N, dt, dev, True)),
     Case("attention", "forward", build_attention),
+    Case("attention", "backward", build_attention_backward),
     Case("sample", "forward", build_sample),
     Case("decode_attention", "forward", build_decode_attention,
          shapes=decode_attention_shapes),
+    # the GPU day (kernels/bench/plan.py)
+    Case("fused_add_rms_norm", "backward",
+         lambda M, N, dt, dev: build_fused_add_rms_norm(M, N, dt, dev, True),
+         "backward"),
 ]
 
 
@@ -454,3 +490,39 @@ def measure_linear_cross_entropy(timer, device, dtype=torch.bfloat16, shape=LCE_
                      "extra_over_logits": extra / logits_bytes, "memory": how,
                      "loss": loss, "loss_diff": abs(loss - want)})
     return rows
+
+
+def linear_cross_entropy_shapes(smoke: bool) -> list:
+    """(M, d, regime): the LM head of Qwen3-8B at 8,192 tokens (smoke: a tiny head)."""
+    return [(64, 8, "lm head")] if smoke else [(LCE_SHAPE[0], LCE_SHAPE[2], "lm head")]
+
+
+def build_linear_cross_entropy(M, N, dtype, device):
+    """M tokens of width d = N through a head of V words (Qwen3's 151,936; 1,000 when the
+    head is tiny): the backward of the mean loss. Peak memory: measure_linear_cross_entropy."""
+    ours = _kernel("linear_cross_entropy")
+    V = LCE_SHAPE[1] if N >= 1024 else 1000
+    h = _rand(M, N, dtype=dtype, device=device)
+    w = _rand(V, N, dtype=dtype, device=device, scale=N**-0.5)
+    t = torch.randint(0, V, (M,), device=device)
+
+    def formula(h, w, t):  # as transformers: logits, upcast, cross-entropy
+        return torch.nn.functional.cross_entropy(
+            torch.nn.functional.linear(h, w).float(), t)
+
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        liger_loss = LigerFusedLinearCrossEntropyLoss()
+        liger = lambda h, w, t: liger_loss(w, h, t)  # noqa: E731
+    except Exception as exc:
+        liger = Skip(f"liger-kernel unavailable ({type(exc).__name__})")
+    # Must move: read h and W (forward and backward), write dh and dW.
+    nbytes = timing.bytes_moved(h, w, torch.empty_like(h), torch.empty_like(w))
+    return Problem((h, w, t), nbytes, ours, formula, liger, wrt=(0, 1),
+                   grad_outputs=(torch.ones((), device=device),),
+                   shape=f"hidden ({M}, {N}), weight ({V}, {N})")
+
+
+CASES += [Case("linear_cross_entropy", "backward", build_linear_cross_entropy,
+               shapes=linear_cross_entropy_shapes)]

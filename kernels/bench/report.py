@@ -8,7 +8,7 @@ import math
 import pathlib
 import re
 
-from .cases import CASES, DATA_DIR, DO_BENCH, PROVIDERS, TARGET_MIN_N, TARGETS
+from .cases import CASES, DATA_DIR, DO_BENCH, PROVIDERS, ROOT, TARGET_MIN_N, TARGETS
 
 # ---------------------------------------------------------------- files
 
@@ -21,19 +21,30 @@ def _slug(text: str) -> str:
 
 
 def write_results(out_dir: pathlib.Path, prov: dict, copy: dict, rows: list[dict],
-                  errors: list[dict] = ()) -> tuple[pathlib.Path, pathlib.Path]:
+                  errors: list[dict] = (), complete: bool = True,
+                  cut: str | None = None) -> tuple[pathlib.Path, pathlib.Path]:
+    """Write (or rewrite) the run's JSON and CSV. Each file is replaced whole (written beside,
+    then renamed), so that a process stopped at any moment leaves the last complete version.
+    ``complete`` False with ``cut`` says the run was stopped and where."""
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = prov["date"].replace(":", "").replace("-", "").replace("+0000", "Z")
     stem = f"{stamp}_{_slug(prov['gpu'])}" + ("_smoke" if prov["smoke"] else "")
     json_path, csv_path = out_dir / f"{stem}.json", out_dir / f"{stem}.csv"
-    json_path.write_text(json.dumps({"provenance": prov, "copy": copy, "results": rows, "errors": list(errors)}, indent=1) + "\n")
-    with csv_path.open("w", newline="") as f:
+    data = {"provenance": prov, "copy": copy, "results": rows, "errors": list(errors)}
+    if not complete or cut:
+        data.update(complete=complete, cut=cut)
+    tmp = json_path.with_name(json_path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(json_path)
+    tmp = csv_path.with_name(csv_path.name + ".tmp")
+    with tmp.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
         writer.writeheader()
         for r in rows:
             writer.writerow({**r, "dtype": prov["dtype"], "gpu": prov["gpu"], "torch": prov["torch"],
                              "triton": prov["triton"], "date": prov["date"], "copy_GB/s": copy["GB/s"],
                              "smoke": prov["smoke"]})
+    tmp.replace(csv_path)
     return json_path, csv_path
 
 
@@ -63,8 +74,91 @@ def load_runs(folder: pathlib.Path | str | None = None) -> list[dict]:
 def label(run_: dict) -> str:
     """One line naming where and when a run was measured."""
     p = run_["provenance"]
-    return (f"{p['gpu']} · torch {p['torch']} · triton {p['triton']} · {p['dtype']} · "
-            f"{p['date'][:10]} · copy {run_['copy']['GB/s']:.0f} GB/s")
+    cuda = f" · CUDA {p['cuda']}" if p.get("cuda") else ""
+    cut = " · stopped by its budget" if run_.get("complete") is False else ""
+    return (
+        f"{p['gpu']} · torch {p['torch']} · triton {p['triton']}{cuda} · {p['dtype']} · "
+        f"{p['date'][:10]} · copy {run_['copy']['GB/s']:.0f} GB/s{cut}"
+    )
+
+
+def comparison(run_: dict) -> dict | None:
+    """The measured-against-predicted table recorded with a run (``tools/gpu_check.py``
+    writes it; ``--record`` keeps it in ``data/bench/<run>/measured_vs_predicted.json``).
+    """
+    path = (
+        pathlib.Path(run_.get("path", "")).with_suffix("")
+        / "measured_vs_predicted.json"
+    )
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def recorded_lines(
+    kernels: set[str], directions: set[str], run_: dict | None = None
+) -> list[str]:
+    """What the latest recorded GPU run measured for these kernels (names of
+    :data:`CASES` kernels) and directions: one line per shape, our kernel's ms and % of the
+    copy bandwidth, the prediction beside it where one was recorded, and the other providers'
+    ms. Empty when no run is recorded or it has no such rows."""
+    if run_ is None:
+        runs = load_runs()
+        if not runs:
+            return []
+        run_ = runs[-1]
+    ok = [
+        r
+        for r in run_["results"]
+        if r["status"] == "ok"
+        and r["kernel"] in kernels
+        and r["direction"] in directions
+    ]
+    if not ok:
+        return []
+    table = comparison(run_) or {"rows": []}
+    predicted = {(r["case"], r["M"], r["N"]): r["predicted"] for r in table["rows"]}
+    shown = [
+        p for p in PROVIDERS if p != "kernels" and any(r["provider"] == p for r in ok)
+    ]
+    short = {"torch eager": "eager", "torch.compile": "compile"}
+    prov, path = run_["provenance"], pathlib.Path(run_.get("path", ""))
+    where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+    lines = [
+        f"Measured on {prov['gpu']} by `make gpu-check`, {prov['date'][:10]}"
+        f"{' (stopped by its budget)' if run_.get('complete') is False else ''}:",
+        f"  torch {prov['torch']}, triton {prov['triton']}, CUDA {prov.get('cuda')}, "
+        f"{prov['dtype']}; copy {run_['copy']['GB/s']:.0f} GB/s",
+        f"  not measured in this session: recorded in {where}",
+        f"{'case':<24}{'M':>6}{'N':>8}{'ms':>9}{'% copy':>8}{'pred.':>7}"
+        + "".join(f"{short.get(p, p) + ' ms':>12}" for p in shown),
+    ]
+    keys = dict.fromkeys((r["kernel"], r["direction"], r["M"], r["N"]) for r in ok)
+    for kernel, direction, M, N in keys:
+        mine = {
+            r["provider"]: r
+            for r in ok
+            if (r["kernel"], r["direction"], r["M"], r["N"])
+            == (kernel, direction, M, N)
+        }
+        ours = mine.get("kernels")
+        case = f"{kernel}.{direction}"
+        pred = predicted.get((case, M, N))
+        cells = [
+            f"{case:<24}{M:>6}{N:>8}",
+            (
+                f"{ours['ms']:>9.4f}{ours['pct_of_copy']:>7.1f}%"
+                if ours
+                else f"{'-':>9}{'-':>8}"
+            ),
+            f"{100 * pred:>6.0f}%" if pred is not None else f"{'-':>7}",
+        ]
+        cells += [
+            f"{mine[p]['ms']:>12.4f}" if p in mine else f"{'-':>12}" for p in shown
+        ]
+        lines.append("".join(cells))
+    return lines
 
 
 def summary(run_: dict) -> list[dict]:
@@ -120,5 +214,3 @@ def plot_run(run_: dict):
     fig.suptitle(label(run_))
     fig.tight_layout()
     return fig
-
-

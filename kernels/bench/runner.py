@@ -244,6 +244,105 @@ def run(cases: list[Case], sizes: list[int], *, elements: int, dtype: torch.dtyp
     return rows
 
 
+def run_plan(
+    plan,
+    *,
+    smoke: bool,
+    dtype: torch.dtype,
+    providers: list[str],
+    timer,
+    copy_gbps: float,
+    compile_ok: bool,
+    log=print,
+    on_rows=None,
+    deadline: float | None = None,
+):
+    """The trimmed benchmark (:mod:`kernels.bench.plan`): every entry at its shapes for every
+    provider but torch.compile, in the plan's order; then torch.compile at each entry's
+    ``compile_at`` shapes. ``on_rows(rows)`` is called after every shape (the caller writes the
+    files then: a stop keeps what was measured). ``deadline`` (``time.monotonic()``): no new
+    shape starts after it. Returns ``(rows, cut)``, ``cut`` None or what was left unmeasured.
+    """
+    from .plan import compile_shapes, shapes_of
+
+    by_name = {c.name: c for c in CASES}
+    rows: list[dict] = []
+    skipped: set[str] = set()
+    first = [p for p in providers if p != "torch.compile"]
+    passes = [("kernels and eager", first, False)]
+    if "torch.compile" in providers:
+        passes.append(("torch.compile", ["torch.compile"], True))
+    for pass_name, provs, second in passes:
+        for entry in plan:
+            case = by_name.get(entry.case)
+            if case is None:
+                if not second:
+                    kernel, _, direction = entry.case.partition(".")
+                    rows.append(
+                        _row(
+                            Case(kernel, direction, None),
+                            "all",
+                            status="skipped",
+                            note=f"no case {entry.case!r} in kernels.bench.cases.CASES",
+                        )
+                    )
+                    log(f"{entry.case:<28} skipped: not a case")
+                continue
+            if case.name in skipped:
+                continue
+            for M, N in (
+                compile_shapes(entry, smoke) if second else shapes_of(entry, smoke)
+            ):
+                if deadline is not None and time.monotonic() > deadline:
+                    cut = f"budget reached before {case.name} M={M} N={N} ({pass_name})"
+                    log(f"kernels.bench: {cut}")
+                    return rows, cut
+                regime = "decode" if M <= 64 else "sweep"
+                try:
+                    problem = case.build(M, N, dtype, DEVICE)
+                except (Skip, ImportError, AttributeError) as exc:
+                    rows.append(
+                        _row(
+                            case,
+                            "all",
+                            status="skipped",
+                            note=str(exc) or type(exc).__name__,
+                        )
+                    )
+                    log(f"{case.name:<28} skipped: {exc}")
+                    skipped.add(case.name)
+                    break
+                except Exception as exc:
+                    rows.append(
+                        _row(
+                            case,
+                            "all",
+                            M=M,
+                            N=N,
+                            regime=regime,
+                            status="error",
+                            note=f"{type(exc).__name__}: {str(exc)[:200]}",
+                        )
+                    )
+                    log(
+                        f"{case.name:<28} N={N:<7} error: {type(exc).__name__}: {str(exc)[:120]}"
+                    )
+                    continue
+                new = run_problem(
+                    case, problem, M, N, provs, timer, copy_gbps, dtype, compile_ok
+                )
+                for r in new:
+                    r["regime"] = regime
+                    log(format_row(r))
+                rows.extend(new)
+                del problem
+                if DEVICE.type == "cuda":
+                    torch.cuda.empty_cache()
+                if on_rows is not None:
+                    on_rows(rows)
+    return rows, None
+
+
 def errors_of(rows: list[dict]) -> list[dict]:
     """Rows that failed: a provider that raised, or a result that does not match eager PyTorch."""
     return [r for r in rows if r["status"] == "error" or str(r.get("check", "")).startswith("MISMATCH")]
@@ -256,7 +355,7 @@ def failing(errors: list[dict]) -> list[dict]:
 
 
 def format_row(r: dict) -> str:
-    head = f"{r['kernel'] + '.' + r['direction']:<28} N={str(r['N']):<7} {r['provider']:<14}"
+    head = f"{r['kernel'] + '.' + r['direction']:<28} M={str(r['M']):<6} N={str(r['N']):<7} {r['provider']:<14}"
     if r["status"] != "ok":
         return f"{head} {r['status']}: {r['note']}"
     pct = f"{r['pct_of_copy']:6.1f}% of copy" if r["pct_of_copy"] is not None else ""
@@ -276,6 +375,9 @@ def parse_args(argv):
     ap.add_argument("--no-decode", action="store_true", help="skip the decode shapes (M = 1, 8, 64 rows)")
     ap.add_argument("--compile-sizes", help="comma-separated N at which torch.compile is timed (default: every N)")
     ap.add_argument("--copy-mb", type=float, help="size of the copy that measures the bandwidth, MiB (default 256)")
+    ap.add_argument("--plan", help="a trimmed plan of kernels/bench/plan.py instead of the sweep, e.g. gpu-day")
+    ap.add_argument("--deadline-s", type=float,
+                    help="start no new shape after this many seconds (the files say where it stopped)")
     return ap.parse_args(argv)
 
 
@@ -293,7 +395,15 @@ def main(argv: list[str] | None = None, log=print) -> dict:
         out = out or pathlib.Path(tempfile.mkdtemp(prefix="bench-smoke-"))
     out = out or DATA_DIR
 
+    start = time.monotonic()
     names = [c.name for c in CASES]
+    if args.plan:
+        from .plan import PLANS
+
+        if args.plan not in PLANS:
+            raise SystemExit(f"unknown plan {args.plan!r}; choose from {sorted(PLANS)}")
+        if args.sizes or args.elements or args.no_decode or args.compile_sizes:
+            raise SystemExit("--plan sets its own shapes: drop --sizes/--elements/--no-decode/--compile-sizes")
     wanted = args.cases.split(",") if args.cases else names
     unknown = [n for n in wanted if n not in names]
     if unknown:
@@ -315,6 +425,8 @@ def main(argv: list[str] | None = None, log=print) -> dict:
     log(f"{prov['gpu']} · torch {prov['torch']} · triton {prov['triton']} · {prov['dtype']} · {prov['timer']}")
     copy = timing.copy_bandwidth(copy_bytes, timer=timer)
     log(f"device-to-device copy of {copy_bytes / 2**20:.0f} MiB: {copy['ms']:.4f} ms, {copy['GB/s']:.1f} GB/s")
+    if args.plan:
+        return _main_plan(args, argv, prov, copy, dtype, providers, timer, on_gpu, out, start, log)
     decode = [] if args.no_decode else (SMOKE_DECODE if args.smoke else [(m, n) for n in DECODE_N for m in DECODE_M])
     compile_sizes = {int(s) for s in args.compile_sizes.split(",")} if args.compile_sizes else None
     prov.update({"decode": decode, "compile_sizes": sorted(compile_sizes) if compile_sizes else "all"})
@@ -335,7 +447,70 @@ def main(argv: list[str] | None = None, log=print) -> dict:
             "json": json_path, "csv": csv_path}
 
 
+def _main_plan(
+    args, argv, prov, copy, dtype, providers, timer, on_gpu, out, start, log
+) -> dict:
+    """``--plan``: the trimmed benchmark, its files rewritten after every shape."""
+    from .plan import PLANS, compile_shapes, shapes_of
+
+    plan = [
+        e for e in PLANS[args.plan] if not args.cases or e.case in args.cases.split(",")
+    ]
+    prov.update(
+        {
+            "plan": args.plan,
+            "cases": [e.case for e in plan],
+            "shapes": {
+                e.case: [list(s) for s in shapes_of(e, args.smoke)] for e in plan
+            },
+            "compile_shapes": {
+                e.case: [list(s) for s in compile_shapes(e, args.smoke)] for e in plan
+            },
+        }
+    )
+    for key in ("sizes", "elements_per_tensor"):
+        prov.pop(key, None)
+    deadline = None if args.deadline_s is None else start + args.deadline_s
+
+    def save(rows, complete=False, cut=None):
+        return write_results(
+            out, prov, copy, rows, errors_of(rows), complete=complete, cut=cut
+        )
+
+    json_path, _ = save(
+        []
+    )  # the copy bandwidth is kept even if nothing else is measured
+    log(f"writing {json_path} as rows are measured")
+    rows, cut = run_plan(
+        plan,
+        smoke=args.smoke,
+        dtype=dtype,
+        providers=providers,
+        timer=timer,
+        copy_gbps=copy["GB/s"],
+        compile_ok=on_gpu,
+        log=log,
+        on_rows=save,
+        deadline=deadline,
+    )
+    errors = errors_of(rows)
+    json_path, csv_path = save(rows, complete=cut is None, cut=cut)
+    log(f"wrote {json_path} and {csv_path.name}" + (f" (cut: {cut})" if cut else ""))
+    for r in errors:
+        print(f"kernels.bench ERROR: {format_row(r)}", file=sys.stderr)
+    bad = failing(errors)
+    return {
+        "provenance": prov,
+        "copy": copy,
+        "results": rows,
+        "errors": errors,
+        "failed": bool(bad),
+        "cut": cut,
+        "json": json_path,
+        "csv": csv_path,
+    }
+
+
 def cli() -> int:
     """``python -m kernels.bench``: exit status 1 when a row of ours or PyTorch's failed."""
     return 1 if main()["failed"] else 0
-
