@@ -690,8 +690,9 @@ def _child(argv: list[str]) -> int:
                             # A backward is a generator: forward launches, then backward
                             # ones (it stops at once when the function refuses inputs
                             # requiring grad).
-                            started = next(gen, StopIteration) is not StopIteration
-                            if phase == "backward" and started:
+                            started = phase == "backward" and (
+                                next(gen, StopIteration) is not StopIteration)
+                            if started:
                                 capture.phase = "backward"
                                 next(gen, None)
                         for launch in capture.launches:

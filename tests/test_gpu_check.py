@@ -66,7 +66,7 @@ def dry_run(blocker, tmp_path_factory):
     out = tmp_path_factory.mktemp("out")
     env = {**blocker, "OUT": str(out)}
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, str(GPU_CHECK), "--dry-run", "--budget", "bench=20",
+    proc = subprocess.run([sys.executable, str(GPU_CHECK), "--dry-run", "--budget", "bench=12",
                            "--budget", "tests=90", "--budget", "inspect=90"],
                           env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     return proc, out, time.monotonic() - t0
@@ -171,7 +171,7 @@ def test_a_step_stopped_by_its_budget_keeps_its_rows(dry_run):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["cut_steps"][:1] == ["bench"], summary["cut_steps"]
     bench = next(s for s in summary["steps"] if s["step"] == "bench")
-    assert bench["cut"] and bench["budget_s"] == 20 and bench["seconds"] <= 20 + 10
+    assert bench["cut"] and bench["budget_s"] == 12 and bench["seconds"] <= 12 + 10
     data = json.loads((out / bench["file"]).read_text())
     assert data["complete"] is False and data["cut"]
     assert data["provenance"]["smoke"] is True and data["copy"]["GB/s"] > 0

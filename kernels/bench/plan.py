@@ -67,6 +67,7 @@ PLAN = [
     Entry("cross_entropy.forward", LOGITS, (0,), SMOKE_LOGITS),
     Entry("cross_entropy.backward", LOGITS, (0,), SMOKE_LOGITS),
     Entry("attention.forward", ATTENTION, (0, 2), SMOKE_ATTENTION),
+    Entry("attention.backward", ATTENTION, (0, 2), SMOKE_ATTENTION),
     Entry("sample.forward", SAMPLE, (0, 1), SMOKE_LOGITS),
     Entry("qk_norm_rope.forward", ((4096, 4096),) + DECODE[:1], (0,), SMOKE_ROWS),
     Entry("swiglu.forward", SWIGLU),
