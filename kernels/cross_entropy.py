@@ -135,11 +135,14 @@ def _forward(x2d: torch.Tensor, target: torch.Tensor, ignore_index: int):
     return loss, lse
 
 
-def _backward(x2d, target, lse, g: torch.Tensor, ignore_index: int) -> torch.Tensor:
+def _backward(x2d, target, lse, g: torch.Tensor, ignore_index: int,
+              out: torch.Tensor | None = None) -> torch.Tensor:
     """dx = g_row · (softmax(x) - onehot(t)) for kept rows, 0 for ignored ones; ``g``
-    has one element (broadcast to every row) or M."""
+    has one element (broadcast to every row) or M. ``out=x2d`` overwrites the logits in
+    place (each element is read, then written, by the same program in the same loop
+    step), as kernels.linear_cross_entropy does with its blocks of logits."""
     M, V = x2d.shape
-    dx = torch.empty((M, V), dtype=x2d.dtype, device=x2d.device)
+    dx = torch.empty((M, V), dtype=x2d.dtype, device=x2d.device) if out is None else out
     if M == 0:
         return dx
     block_m, block_n, num_warps = _config(M, V)

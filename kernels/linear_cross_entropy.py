@@ -38,10 +38,9 @@ import torch
 import triton
 
 from . import _validate
-from ._config import LAUNCH, accumulation_dtype, tl_accumulation_dtype
-from ._runtime import device_guard
-from .cross_entropy import REDUCTIONS, _config as _ce_config
-from .cross_entropy import _cross_entropy_bwd, _forward as _ce_forward, _reduce
+from ._config import accumulation_dtype
+from .cross_entropy import REDUCTIONS, _backward as _ce_backward
+from .cross_entropy import _forward as _ce_forward, _reduce
 
 # Rows per forward chunk: ceil(M / CHUNKS); words per backward block: ceil(V / CHUNKS).
 CHUNKS = 8
@@ -75,19 +74,9 @@ def _forward(h2d, weight, target, ignore_index):
 
 
 def _dlogits_in_place(z, block_target, lse, g, ignore):
-    """Overwrite the block of logits z (M, block) with g_row·(exp(z - lse) - onehot)."""
-    M, Vb = z.shape
-    block_m, block_n, num_warps = _ce_config(M, Vb)
-    stride_g = 0 if g.numel() == 1 else g.stride(0)
-    with device_guard(z):
-        # Each element is read, then written, by the same program in the same loop
-        # step: in place is safe (X and DX are one buffer).
-        _cross_entropy_bwd[(triton.cdiv(M, block_m),)](
-            z, block_target, lse, g, z, z.stride(0), stride_g, z.stride(0), M, Vb,
-            ignore,
-            ACC=tl_accumulation_dtype(lse.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
-            num_warps=num_warps, **LAUNCH,
-        )
+    """Overwrite the block of logits z (M, block) with g_row·(exp(z - lse) - onehot):
+    cross_entropy's backward kernel, in place."""
+    _ce_backward(z, block_target, lse, g, ignore, out=z)
 
 
 def _backward(h2d, weight, target, lse, g, ignore_index, want_h, want_w):
