@@ -212,14 +212,17 @@ def _check_target(target, logits: torch.Tensor, ignore_index: int) -> None:
         raise ValueError(f"target is on {target.device} but logits is on "
                          f"{logits.device}; "
                          "put them on one device")
-    V = logits.shape[-1]
-    # One host sync, so that a bad index is an error and never an out-of-bounds read.
+    check_target_range(target, logits.shape[-1], ignore_index)
+
+
+def check_target_range(target: torch.Tensor, V: int, ignore_index: int) -> None:
+    """Every target is a class in [0, V) or ``ignore_index``. One host sync, so that a
+    bad index is an error and never an out-of-bounds read (linear_cross_entropy too)."""
     bad = ((target < 0) | (target >= V)) & (target != ignore_index)
     if target.numel() and bool(bad.any()):
         first = target[bad].reshape(-1)[0].item()
         raise ValueError(f"target must hold class indices in [0, {V - 1}] or "
-                         "ignore_index "
-                         f"({ignore_index}), got {first}")
+                         f"ignore_index ({ignore_index}), got {first}")
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *,

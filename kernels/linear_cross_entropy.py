@@ -39,7 +39,7 @@ import triton
 
 from . import _validate
 from ._config import accumulation_dtype
-from .cross_entropy import REDUCTIONS, _backward as _ce_backward
+from .cross_entropy import REDUCTIONS, _backward as _ce_backward, check_target_range
 from .cross_entropy import _forward as _ce_forward, _reduce
 
 # Rows per forward chunk: ceil(M / CHUNKS); words per backward block: ceil(V / CHUNKS).
@@ -173,14 +173,7 @@ def _check(hidden, weight, target, ignore_index, reduction):
                          "last "
                          f"dimension), got {tuple(target.shape)}")
     _validate.check_same_device("target", target, "hidden", hidden)
-    V = weight.shape[0]
-    # One host sync, so that a bad index is an error and never an out-of-bounds read.
-    bad = ((target < 0) | (target >= V)) & (target != ignore_index)
-    if target.numel() and bool(bad.any()):
-        first = target[bad].reshape(-1)[0].item()
-        raise ValueError(f"target must hold class indices in [0, {V - 1}] or "
-                         "ignore_index "
-                         f"({ignore_index}), got {first}")
+    check_target_range(target, weight.shape[0], ignore_index)
 
 
 def _linear_cross_entropy(hidden, weight, target, ignore_index, reduction, loss_dtype):
