@@ -203,9 +203,10 @@ def pytest_configure(config):
         os.environ[run_once.RUN_VAR] = uuid.uuid4().hex  # inherited by the workers it starts
 
 
-#: Module-scoped fixtures that cost a minute each (the benchmark's smoke run, gpu_check's dry
-#: run): the tests that use one share an xdist group, so one worker computes it once instead of
-#: every worker that happens to run one of its tests.
+#: Fixtures that cost a minute each (the benchmark's smoke run, gpu_check's dry run): the tests
+#: that use one share an xdist group, so one worker computes it once instead of every worker that
+#: happens to run one of its tests; session-scoped, since a worker need not run a group's tests
+#: one after another (a module-scoped fixture would be set up again after another module's test).
 ONE_WORKER_FIXTURES = {"smoke": "bench-smoke", "dry_run": "gpu-check-dry-run"}
 
 
@@ -213,7 +214,19 @@ def _rank(item) -> int:
     return max([SHARED_FIXTURES[f][0] for f in item.fixturenames if f in SHARED_FIXTURES], default=0)
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
+def pytest_itemcollected(item):
+    """Each test's xdist group, as it is collected: pytest-xdist's worker reads the xdist_group
+    marks in its own pytest_collection_modifyitems, which (measured) runs before this file's,
+    tryfirst or not, so marks added there group nothing."""
+    groups = [g for f, g in ONE_WORKER_FIXTURES.items() if f in item.fixturenames]
+    if groups and not item.get_closest_marker("xdist_group"):
+        item.add_marker(pytest.mark.xdist_group(groups[0]))
+    pages = sys.modules.get("test_html")
+    if pages:
+        pages.browser_order(item)  # the browser tests of a page: one group
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Tests of shared work last (a stable sort: within a rank, collection order); the browser
     tests of a page grouped, viewport by viewport (browser_order in test_html.py)."""
@@ -222,10 +235,6 @@ def pytest_collection_modifyitems(config, items):
         if dropped:
             config.hook.pytest_deselected(items=dropped)
             items[:] = [item for item in items if not _quick_excluded(item)]
-    for item in items:
-        groups = [g for f, g in ONE_WORKER_FIXTURES.items() if f in item.fixturenames]
-        if groups and not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(groups[0]))
     order = {id(item): i for i, item in enumerate(items)}
     pages = sys.modules.get("test_html")
     key = (pages.browser_order if pages else lambda item: ())

@@ -20,7 +20,7 @@ from kernels import DEVICE, bench
 FIELDS = ["gpu", "device", "torch", "triton", "dtype", "date", "command", "git_commit", "timer", "smoke"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # one xdist group (conftest.ONE_WORKER_FIXTURES)
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("smoke")
     lines = []
@@ -365,10 +365,52 @@ def test_plan_smoke_run_rows_in_plan_order(tmp_path):
     assert "complete" not in data and data["provenance"]["shapes"]["rms_norm.forward"]
 
 
+def _names(tree):
+    """(names a cell binds, names it reads) at its top level and in what it defines."""
+    import ast
+
+    bound, read = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (bound if isinstance(node.ctx, (ast.Store, ast.Del)) else read).add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.alias):
+            bound.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+    return bound, read
+
+
+def cells_for(nb, wanted):
+    """The code cells that the cells ``wanted`` (indexes) need, in order: the set-up cell, and,
+    transitively, the latest earlier cell binding each name a needed cell reads."""
+    import ast
+
+    names = {}
+    for i, c in enumerate(nb.cells):
+        if c.cell_type == "code":
+            names[i] = _names(ast.parse(c.source))
+    keep, todo = set(), list(wanted) + [i for i, c in enumerate(nb.cells) if c.get("id") == "setup"]
+    while todo:
+        i = todo.pop()
+        if i in keep:
+            continue
+        keep.add(i)
+        bound_here, read = names[i]
+        for name in read - bound_here:
+            earlier = [j for j in names if j < i and name in names[j][0]]
+            if earlier:
+                todo.append(earlier[-1])
+    return sorted(keep)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("nbclient") is None, reason="needs nbclient")
 def test_speed_of_light_chapter_renders_a_recorded_run(tmp_path):
-    """The chapter, executed with the fixture as data/bench/ ($KERNELS_BENCH_DIR), shows the
-    run's label, its summary and the recorded measured-against-predicted table."""
+    """The chapter's cells that read data/bench/ (and the cells they need: cells_for), executed
+    with the fixture as data/bench/ ($KERNELS_BENCH_DIR), show the run's label, its summary and
+    the recorded measured-against-predicted table. The rest of the chapter runs in the book's
+    own execution, unchanged; only these cells' output depends on a recorded run."""
     import nbformat
     from nbclient import NotebookClient
 
@@ -376,6 +418,11 @@ def test_speed_of_light_chapter_renders_a_recorded_run(tmp_path):
         pytest.skip("the GPU run measures live")
     path = pathlib.Path(bench.ROOT) / "book" / "speed_of_light.ipynb"
     nb = nbformat.read(path, as_version=4)
+    readers = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"
+               and any(s in c.source for s in ("load_runs(", "comparison(", "KERNELS_BENCH_DIR"))]
+    assert len(readers) >= 2, readers  # the summary and the comparison table
+    keep = cells_for(nb, readers)
+    nb.cells = [c for i, c in enumerate(nb.cells) if i in keep or c.cell_type != "code"]
     env_before = os.environ.get("KERNELS_BENCH_DIR")
     os.environ["KERNELS_BENCH_DIR"] = str(FIXTURE)
     try:

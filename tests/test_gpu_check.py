@@ -48,7 +48,7 @@ def _gpu_check():
     return module
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def blocker(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gpu-machine-python")
     (folder / "sitecustomize.py").write_text(SITECUSTOMIZE)
@@ -60,7 +60,7 @@ def blocker(tmp_path_factory):
     return env
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # one xdist group (conftest.ONE_WORKER_FIXTURES)
 def dry_run(blocker, tmp_path_factory):
     """The dry run into $OUT, with the benchmark's budget too small for its smoke plan."""
     out = tmp_path_factory.mktemp("out")

@@ -162,7 +162,9 @@ def test_wide_equations_scroll_with_a_cue(browser, server, page_path):  # noqa: 
 def test_dark_mode_figures_are_drawn_alike(browser, server, page_path):  # noqa: F811
     """In the dark theme every figure, matplotlib's and plotly's, gets the theme's treatment of
     images (dimmed, on the same background): no figure is the one bright card on the page."""
-    page, _ = open_view(browser, server, page_path, 1366, "dark", fresh=True)
+    # The shared page, switched in place: the theme's treatment of figures is CSS keyed on
+    # html[data-theme] (the pydata theme's and _ext/static/book.css), no script on load.
+    page, _ = open_view(browser, server, page_path, 1366, "dark")
     try:
         looks = page.evaluate(FIGURES_LOOK_JS)
         if not looks:

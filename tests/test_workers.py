@@ -1,0 +1,42 @@
+"""The run's shape under pytest-xdist (`make test`: -n auto --dist loadgroup): tests that share
+an xdist group run on one worker, which is what makes a costly shared fixture (conftest.py's
+ONE_WORKER_FIXTURES) or a browser page (test_html.browser_order) load once. A pytest that
+stores node ids where pytest-xdist does not look (pytest 9.2 with xdist 3.8) runs every test
+still, and green, but groups nothing: only a check like this one notices."""
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+GROUPED = '''
+import os, pathlib, pytest
+
+OUT = pathlib.Path(os.environ["WORKERS_OUT"])
+
+@pytest.mark.xdist_group("one")
+@pytest.mark.parametrize("i", range(6))
+def test_grouped(i):
+    (OUT / f"grouped-{i}").write_text(os.environ.get("PYTEST_XDIST_WORKER", "main"))
+
+@pytest.mark.parametrize("i", range(6))
+def test_free(i):
+    (OUT / f"free-{i}").write_text(os.environ.get("PYTEST_XDIST_WORKER", "main"))
+'''
+
+
+@pytest.mark.skipif(importlib.util.find_spec("xdist") is None, reason="needs pytest-xdist")
+def test_an_xdist_group_runs_on_one_worker(tmp_path):
+    (tmp_path / "test_grouped.py").write_text(GROUPED)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "-n", "2", "--dist", "loadgroup", "-c", "/dev/null",
+                           "--rootdir", str(tmp_path), str(tmp_path / "test_grouped.py")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "WORKERS_OUT": str(out)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    grouped = {(out / f"grouped-{i}").read_text() for i in range(6)}
+    assert len(grouped) == 1, f"one xdist group ran on {sorted(grouped)}: groups are ignored"
+    assert all((out / f"free-{i}").exists() for i in range(6))
