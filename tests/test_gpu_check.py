@@ -191,3 +191,15 @@ def test_a_dry_run_is_never_recorded(dry_run):
                           text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and "dry run" in proc.stderr
     assert sorted((ROOT / "data" / "bench").glob("*")) == before
+
+
+def test_the_gpu_day_plan_measures_every_benchmark_case():
+    """A kernel added to kernels.bench.cases but not to the GPU day's plan would come back from
+    the only GPU run unmeasured; and every plan kernel the inspector does not lower is named."""
+    from kernels import bench
+    from kernels.bench import plan
+
+    gpu_check = _gpu_check()
+    planned = {e.case for e in plan.PLANS["gpu-day"]}
+    assert [c.name for c in bench.CASES if c.name not in planned] == []
+    assert gpu_check.NOT_INSPECTED <= {name.split(".")[0] for name in planned}

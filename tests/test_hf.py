@@ -254,9 +254,12 @@ def test_greedy_generation_identical(build):
     ref = build().eval()
     patched = hf.patch(copy.deepcopy(ref))
     prompt = _ids(batch=1, seq=5)
-    # min_new_tokens: a random model may pick its end-of-sequence token early (Gemma 3's
-    # config has one), which would stop both runs short of the 20 steps being compared.
-    kw = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
+    # eos_token_id=None: Llama's config ends a sequence at token 2 and Gemma 3's at 1, which
+    # a random model over 64 tokens emits now and then (random prompts, no seed): such a run
+    # stopped early (Llama at 8 of 25 tokens under transformers 5.17, Gemma 3 at 12 under
+    # 5.24) and would have compared fewer steps than this test says. Not min_new_tokens:
+    # that sets the EOS logit to -inf, and the argmax over every logit is what is compared.
+    kw = dict(max_new_tokens=20, do_sample=False, pad_token_id=0, eos_token_id=None)
     with torch.no_grad():
         want = ref.generate(prompt, **kw)
         got = patched.generate(prompt, **kw)

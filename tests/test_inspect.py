@@ -66,16 +66,19 @@ KNOWN_TO_FAIL = {
     ]
 } | {("spills", 90, "attention", "backward")}
 
-#: The declared floor, Triton 3.6 (the GPU machine's), spills where 3.9 does not, with the
-#: same tiles (sm_90, measured for issue 17): _rms_norm_bwd fp16/bf16 at M = 32,768, N = 2048
-#: (BLOCK_M 2, BLOCK_N 2048, 16 warps, 64 registers: 8 B stored, 8 B loaded), and the top-k/
-#: top-p _sample_kernel (BLOCK_N 4096, 8 warps: 4 B) in fp32 at every N >= 8192 and in fp16
-#: at M = 1, N = 8192. Expected failures under Triton < 3.9, not strict: sm_80 and sm_75 were
-#: not measured under 3.6.
+#: The declared floor, Triton 3.6 (the GPU machine's), where it spills and 3.9 does not.
+#: Measured 2026-12-01 on the kernels of main at e933055 (torch 2.11.0, triton 3.6.0, numpy
+#: 2.5.2; every variant of this file's table on sm_90, sm_80 and sm_75; 0 failing to compile):
+#: one entry, sm_75's attention backward, the dK/dV kernel in fp16 at the decode shapes of one
+#: token (M = 1, N = 4096 and 8192; BLOCK_M 16, BLOCK_N 32, 8 warps): 80 registers and 44 B
+#: stored / 28 B loaded, where 3.9 spills nothing (89 registers at N = 4096). The earlier
+#: entries (_rms_norm_bwd fp16/bf16 at N = 2048, _sample_kernel at N >= 8192, sm_90) no
+#: longer spill under 3.6 at any benchmark or decode shape, on any of the three archs.
+#: Every KNOWN_TO_FAIL entry fails under 3.6 as under 3.9 (sm_90's attention backward at
+#: more shapes: fp32 at every bench shape, 12 B / 8 B). Not strict: an expected failure
+#: under Triton < 3.9 only.
 _TRITON = tuple(int(p) for p in __import__("triton").__version__.split(".")[:2])
-FLOOR_MAY_FAIL = {("spills", arch, call, phase) for arch in ARCHS
-                  for call, phase in [("rms_norm", "backward"), ("sample", "forward")]
-                  } if _TRITON < (3, 9) else set()
+FLOOR_MAY_FAIL = {("spills", 75, "attention", "backward")} if _TRITON < (3, 9) else set()
 
 #: Calls that take no fp64 (the gradient checks that launch fp64 do not apply to them).
 NO_FP64 = {"attention", "decode_attention", "decode_attention.paged"}

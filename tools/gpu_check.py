@@ -73,6 +73,9 @@ FIRST_TESTS = ["test_rms_norm.py", "test_rms_norm_backward.py", "test_fused_add_
 DRY_TESTS = ["tests/test_validate.py"]
 #: The dry run's inspector: one kernel's variants (the first compile takes seconds each here).
 DRY_INSPECT_CALLS = ("rms_norm",)
+#: Benchmarked but not a call of the inspector: linear_cross_entropy's own launches are
+#: cross_entropy's kernels between cuBLAS products (kernels/inspect.py's _calls).
+NOT_INSPECTED = {"linear_cross_entropy"}
 #: What executing the chapters needs beyond the GPU machine's own packages.
 CHAPTER_MODULES = ("nbformat", "nbclient", "ipykernel", "plotly")
 MAX_OUT_FILES = 8
@@ -468,7 +471,7 @@ def _inspect(run: Run, bench: dict, device: dict) -> None:
     per_call: dict[str, list] = {}
     for entry in plan.PLANS["gpu-day"]:
         kernel = entry.case.split(".")[0]
-        if run.dry_run and kernel not in DRY_INSPECT_CALLS:
+        if (run.dry_run and kernel not in DRY_INSPECT_CALLS) or kernel in NOT_INSPECTED:
             continue
         have = per_call.setdefault(kernel, [])
         have += [s for s in plan.shapes_of(entry, run.dry_run) if s not in have]
