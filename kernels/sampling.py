@@ -23,6 +23,14 @@ Gumbel-max trick (an exponential race): the sample is :math:`\arg\max_i z_i - \l
 over the kept tokens, :math:`E_i \sim \mathrm{Exp}(1)`, which needs neither the
 normalizing sum nor a prefix sum.
 
+Rows of :data:`SAMPLE_SPLIT_MIN_N` keys and more (a vocabulary: Qwen3's has 151,936) are
+split over programs, one per tile of SAMPLE_TILE keys, so that a decode batch (M = 1 ...
+64 rows) occupies more than M of the GPU's SMs: each search pass is a launch whose
+programs count or sum their tile, and the next launch merges the tiles' FANOUT-vectors
+in tile order, the order of the single program's loop (:func:`_sample_split_kernel`).
+The choice and the tiles depend on N only, never on M, and the sums are the loop's, so
+the split path keeps the same threshold and draws the same token, bit for bit.
+
 Random numbers come from Triton's counter-based Philox (``tl.randint``): element ``(r,
 c)`` of the (M, N) row view uses key ``seed`` (two 32-bit halves, low first) and counter
 ``(r*N + c) mod 2**32, (r*N + c) >> 32, 0, 0``. A draw therefore depends only on the
@@ -76,7 +84,8 @@ _ONE_MINUS_ULP = tl.constexpr(ONE_MINUS_ULP)
 def row_reads(top_k: bool = False, top_p: bool = False) -> int:
     """Passes of ``_sample_kernel`` over a row wider than one tile: each search pass,
     the top-p total and the draw read the row once (a row that fits in one tile is read
-    once in all)."""
+    once in all). A split row (:data:`SAMPLE_SPLIT_MIN_N`) takes one launch per pass,
+    and one more for the argmax merge."""
     return 1 + top_k * SEARCH_PASSES + top_p * (1 + SEARCH_PASSES)
 
 
@@ -262,14 +271,14 @@ def _sample_kernel(
     tl.store(Out + rows, best_idx, mask=row_mask)
 
 
-# ---------------------------------------------------------------- a row split over tiles
+# ---------------------------------------------------------------- split rows
 #
 # At decode (M = 1 ... 64 rows) _sample_kernel runs M programs on a GPU of 132 SMs, each
-# reading its row 1 + 2 * SEARCH_PASSES + 1 times. The split path gives each tile of a
-# row its own program, launch after launch: every launch first merges what the previous
-# one left (the FANOUT counts or masses of each tile, added in tile order, as the loop
-# above adds them) into the row's search state, then computes its tile's share of the
-# next step. Same tiles, same sums in the same order: the same threshold and the same
+# reading its row up to 2 * SEARCH_PASSES + 2 times (row_reads). The split path gives
+# each tile of a row its own program, launch after launch: every launch first merges
+# what the previous one left (the FANOUT counts or masses of each tile, added in tile
+# order, as the loop above adds them) into the row's search state, then computes its
+# tile's share of the next step. Same tiles, same sums in the same order: the same threshold and the same
 # draw as the single program's loop, bit for bit (tests/test_sampling.py).
 
 # What a launch merges (MERGE) and produces (PRODUCE): the FANOUT counts or masses of
