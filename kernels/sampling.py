@@ -278,8 +278,9 @@ def _sample_kernel(
 # each tile of a row its own program, launch after launch: every launch first merges
 # what the previous one left (the FANOUT counts or masses of each tile, added in tile
 # order, as the loop above adds them) into the row's search state, then computes its
-# tile's share of the next step. Same tiles, same sums in the same order: the same threshold and the same
-# draw as the single program's loop, bit for bit (tests/test_sampling.py).
+# tile's share of the next step. Same tiles, same sums in the same order: the same
+# threshold and the same draw as the single program's loop, bit for bit
+# (tests/test_sampling.py).
 
 # What a launch merges (MERGE) and produces (PRODUCE): the FANOUT counts or masses of
 # one search pass, the top-p total, or (PRODUCE only) the draw's best score per tile.
