@@ -184,6 +184,29 @@ def _exponential(V):
 
 
 @triton.jit
+def _scores(key, tau, rows, cols, N, seed, GREEDY: tl.constexpr):
+    """The race's score of each token of a tile: z - log E where kept (greedy: z),
+    -inf elsewhere (padding's key is below every tau)."""
+    keep = key >= tau[:, None]
+    z = _key_to_z(key)
+    if GREEDY:
+        score = z
+    else:
+        # Philox counter = the element's index in the (M, N) view: independent of
+        # tiling.
+        r = tl.randint(seed, rows[:, None] * N + cols[None, :]).to(tl.uint32,
+                                                                   bitcast=True)
+        # V in (0, 1) with 2**-32 steps near 0, where the winners' E live. (r + 0.5) has
+        # 33 significant bits: the fp32 V is exact only for r < 2**23 (V < 2**-9);
+        # above, the conversion rounds r to 24 bits (steps of up to 2**-24 near 1), and
+        # r >= 2**32 - 128 rounds V up to 1, clamped to keep E finite.
+        V = tl.minimum((r.to(tl.float32) + 0.5) * 2.3283064365386963e-10,
+                       _ONE_MINUS_ULP)
+        score = z - tl.log(_exponential(V))
+    return tl.where(keep, score, float("-inf"))
+
+
+@triton.jit
 def _sample_kernel(
     # logits, per-row max, sampled index (int64), threshold key (int32)
     X, Rowmax, Out, Tau,
@@ -245,23 +268,7 @@ def _sample_kernel(
         else:
             cols = off + tl.arange(0, BLOCK_N)
             key = _tile(X, x_rows, row_mask, cols, N, rowmax, inv_temp)
-        keep = key >= tau[:, None]  # padding's key is below every tau
-        z = _key_to_z(key)
-        if GREEDY:
-            score = z
-        else:
-            # Philox counter = the element's index in the (M, N) view: independent of
-            # tiling.
-            r = tl.randint(seed, rows[:, None] * N + cols[None, :]).to(tl.uint32,
-                                                                       bitcast=True)
-            # V in (0, 1) with 2**-32 steps near 0, where the winners' E live. (r + 0.5)
-            # has 33 significant bits: the fp32 V is exact only for r < 2**23 (V <
-            # 2**-9); above, the conversion rounds r to 24 bits (steps of up to 2**-24
-            # near 1), and r >= 2**32 - 128 rounds V up to 1, clamped to keep E finite.
-            V = tl.minimum((r.to(tl.float32) + 0.5) * 2.3283064365386963e-10,
-                           _ONE_MINUS_ULP)
-            score = z - tl.log(_exponential(V))
-        score = tl.where(keep, score, float("-inf"))
+        score = _scores(key, tau, rows, cols, N, seed, GREEDY)
         blk_best = tl.max(score, axis=1)
         blk_idx = tl.argmax(score, axis=1, tie_break_left=True).to(tl.int64) + off
         # Strictly greater: on a tie the earlier block (smaller index) keeps the win.
@@ -381,18 +388,7 @@ def _sample_split_kernel(
         total = tl.zeros([1], tl.float32) + tl.sum(e, axis=1)
         tl.store(part_at, tl.where(fan[None, :] == 0, total[:, None], 0.0))
     if PRODUCE == _DRAW:
-        keep = key >= tau[:, None]
-        z = _key_to_z(key)
-        if GREEDY:
-            score = z
-        else:
-            # The same counters as _sample_kernel's: the element's index in (M, N).
-            r = tl.randint(seed, rows[:, None] * N + cols[None, :]).to(tl.uint32,
-                                                                       bitcast=True)
-            V = tl.minimum((r.to(tl.float32) + 0.5) * 2.3283064365386963e-10,
-                           _ONE_MINUS_ULP)
-            score = z - tl.log(_exponential(V))
-        score = tl.where(keep, score, float("-inf"))
+        score = _scores(key, tau, rows, cols, N, seed, GREEDY)
         tl.store(Best + rows * N_CHUNKS + chunk, tl.max(score, axis=1))
         blk_idx = tl.argmax(score, axis=1, tie_break_left=True).to(tl.int64)
         tl.store(BestIdx + rows * N_CHUNKS + chunk, blk_idx + chunk * BLOCK_N)
