@@ -203,6 +203,12 @@ def pytest_configure(config):
         os.environ[run_once.RUN_VAR] = uuid.uuid4().hex  # inherited by the workers it starts
 
 
+#: Module-scoped fixtures that cost a minute each (the benchmark's smoke run, gpu_check's dry
+#: run): the tests that use one share an xdist group, so one worker computes it once instead of
+#: every worker that happens to run one of its tests.
+ONE_WORKER_FIXTURES = {"smoke": "bench-smoke", "dry_run": "gpu-check-dry-run"}
+
+
 def _rank(item) -> int:
     return max([SHARED_FIXTURES[f][0] for f in item.fixturenames if f in SHARED_FIXTURES], default=0)
 
@@ -216,6 +222,10 @@ def pytest_collection_modifyitems(config, items):
         if dropped:
             config.hook.pytest_deselected(items=dropped)
             items[:] = [item for item in items if not _quick_excluded(item)]
+    for item in items:
+        groups = [g for f, g in ONE_WORKER_FIXTURES.items() if f in item.fixturenames]
+        if groups and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(groups[0]))
     order = {id(item): i for i, item in enumerate(items)}
     pages = sys.modules.get("test_html")
     key = (pages.browser_order if pages else lambda item: ())

@@ -3,9 +3,12 @@ text contrast (WCAG 2), figure text size, code blocks that scroll sideways."""
 
 # WCAG 2 contrast of every visible text run in <main> against its effective background: the
 # first opaque ancestor background, blending translucent layers on the way (and the page's own
-# background behind all). Returns the worst cases first.
+# background behind all). Called with a minimum ratio, it returns {count: runs measured, bad:
+# the runs below the minimum, worst first}. Each element's computed style is read once and each
+# ancestor's effective background computed once (memoized down the tree): a chapter has about
+# 9,000 text runs, most of them syntax-highlighted spans under the same few ancestors.
 CONTRAST_JS = r"""
-(limit) => {
+(minimum) => {
   function rgba(s) {
     const m = s.match(/rgba?\(([^)]+)\)/);
     if (!m) return null;
@@ -16,53 +19,61 @@ CONTRAST_JS = r"""
     const a = top[3];
     return [0, 1, 2].map(i => top[i] * a + bottom[i] * (1 - a)).concat([1]);
   }
-  const cache = new Map();
-  function background(el) {
-    if (cache.has(el)) return cache.get(el);
-    const bg = background_(el);
-    cache.set(el, bg);
-    return bg;
+  const styles = new Map();
+  function style(el) {
+    let cs = styles.get(el);
+    if (cs === undefined) { cs = getComputedStyle(el); styles.set(el, cs); }
+    return cs;
   }
-  function background_(el) {
-    const layers = [];
-    for (let e = el; e; e = e.parentElement) {
-      const c = rgba(getComputedStyle(e).backgroundColor);
-      if (c && c[3] > 0) { layers.push(c); if (c[3] >= 1) break; }
+  let page = [255, 255, 255, 1];
+  const root = rgba(style(document.documentElement).backgroundColor);
+  if (root && root[3] >= 1) page = root;
+  const backgrounds = new Map();
+  function background(el) {  // el's own layer over its parent's effective background
+    if (!el) return page;
+    let bg = backgrounds.get(el);
+    if (bg !== undefined) return bg;
+    const c = rgba(style(el).backgroundColor);
+    if (c && c[3] >= 1) bg = c;
+    else {
+      const below = el === document.documentElement ? page : background(el.parentElement);
+      bg = c && c[3] > 0 ? over(c, below) : below;
     }
-    let bg = [255, 255, 255, 1];
-    const root = rgba(getComputedStyle(document.documentElement).backgroundColor);
-    if (root && root[3] >= 1) bg = root;
-    for (let i = layers.length - 1; i >= 0; i--) bg = layers[i][3] >= 1 ? layers[i] : over(layers[i], bg);
+    backgrounds.set(el, bg);
     return bg;
   }
   function lum(c) {
     const v = c.slice(0, 3).map(x => { x /= 255; return x <= 0.03928 ? x / 12.92 : Math.pow((x + 0.055) / 1.055, 2.4); });
     return 0.2126 * v[0] + 0.7152 * v[1] + 0.0722 * v[2];
   }
-  const out = [];
+  const bad = [];
+  let count = 0;
   const walker = document.createTreeWalker(document.querySelector("main") || document.body, NodeFilter.SHOW_TEXT);
   const seen = new Set();
   for (let n = walker.nextNode(); n; n = walker.nextNode()) {
     const el = n.parentElement;
-    if (!n.textContent.trim() || !el || seen.has(el)) continue;
+    if (!el || seen.has(el) || !n.textContent.trim()) continue;
     seen.add(el);
     if (el.closest("mjx-container, svg, .plotly-graph-div, script, style, [aria-hidden='true']")) continue;
-    const r = el.getBoundingClientRect();
-    const cs = getComputedStyle(el);
-    if (r.width === 0 || r.height === 0 || cs.visibility === "hidden" || Number(cs.opacity) === 0) continue;
+    const cs = style(el);
+    if (cs.visibility === "hidden" || Number(cs.opacity) === 0) continue;
     if (el.offsetParent === null && cs.position !== "fixed") continue;  // inside display: none
+    const r = el.getBoundingClientRect();
+    if (r.width === 0 || r.height === 0) continue;
     const bg = background(el);
     let fg = rgba(cs.color);
     if (fg[3] < 1) fg = over(fg, bg);
     const L1 = lum(fg), L2 = lum(bg);
     const ratio = (Math.max(L1, L2) + 0.05) / (Math.min(L1, L2) + 0.05);
+    count++;
+    if (ratio >= minimum) continue;
     const where = el.closest("table") ? (el.closest("code") ? "code in table" : "table")
                 : el.closest("pre") ? "code" : "text";
-    out.push({ratio: Math.round(ratio * 100) / 100, where, tag: el.tagName.toLowerCase(),
+    bad.push({ratio: Math.round(ratio * 100) / 100, where, tag: el.tagName.toLowerCase(),
               text: n.textContent.trim().slice(0, 40), fg: cs.color, bg: "rgb(" + bg.slice(0, 3).map(Math.round).join(",") + ")"});
   }
-  out.sort((a, b) => a.ratio - b.ratio);
-  return out.slice(0, limit);
+  bad.sort((a, b) => a.ratio - b.ratio);
+  return {count, bad};
 }
 """
 

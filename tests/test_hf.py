@@ -254,7 +254,9 @@ def test_greedy_generation_identical(build):
     ref = build().eval()
     patched = hf.patch(copy.deepcopy(ref))
     prompt = _ids(batch=1, seq=5)
-    kw = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
+    # min_new_tokens: a random model may pick its end-of-sequence token early (Gemma 3's
+    # config has one), which would stop both runs short of the 20 steps being compared.
+    kw = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         want = ref.generate(prompt, **kw)
         got = patched.generate(prompt, **kw)

@@ -97,3 +97,13 @@ def test_failed_install_in_colab_is_reported_as_such(tmp_path):
 def test_missing_book_extra_is_listed_from_pyproject():
     assert sync_setup_cells.book_modules()[:1] == ["kernels"]
     assert {"sympy", "matplotlib", "transformers", "plotly"} <= set(sync_setup_cells.book_modules())
+
+
+def test_the_wheel_holds_every_kernels_package():
+    """A Colab reader gets the package from a wheel built from pyproject.toml, which lists its
+    packages: a subpackage missing there (kernels.bench once was) is missing in Colab only."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    present = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "kernels").rglob("__init__.py")}
+    assert present <= listed, f"pyproject.toml's packages lack {sorted(present - listed)}"

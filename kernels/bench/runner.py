@@ -30,9 +30,11 @@ from .report import write_results
 
 # ---------------------------------------------------------------- timing one problem
 
-def wall_time_ms(fn: Callable[[], object], warmup: int = 1, rep: int = 3) -> float:
+def wall_time_ms(fn: Callable[[], object], warmup: int = 0, rep: int = 2) -> float:
     """Median wall-clock time on the CPU: the smoke run's timer. Not a GPU
-    measurement."""
+    measurement, so it runs ``fn`` as few times as still exercises what a GPU timer
+    does to it: twice, as ``do_bench`` calls a backward again and again on one graph
+    (its saved tensors must survive the first call)."""
     for _ in range(warmup):
         fn()
     times = []
