@@ -97,3 +97,10 @@ def rms_config(N: int, element_size: int, backward: bool = False) -> RowConfig:
     warps_cap = 8 if backward and single else 16
     num_warps = min(max(block_m * block_n // 256, 1), warps_cap)
     return RowConfig(block_m, block_n, single, num_warps)
+
+
+def rms_split(N: int, element_size: int) -> bool:
+    """Whether the RMSNorm family's forward splits a row over programs (two launches,
+    kernels.rms_norm.split_launches): exactly the rows too wide for one block. A
+    function of N and the element size only, never of M (see above)."""
+    return N > 0 and not rms_config(N, element_size).SINGLE_BLOCK

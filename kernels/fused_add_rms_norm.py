@@ -24,10 +24,12 @@ import triton
 import triton.language as tl
 
 from . import _validate
-from ._config import LAUNCH, accumulation_dtype, rms_config, tl_accumulation_dtype
+from ._config import (LAUNCH, accumulation_dtype, rms_config, rms_split,
+                      tl_accumulation_dtype)
 from ._runtime import device_guard
 from ._triton_utils import round_to
-from .rms_norm import LLAMA, _backward, _normalize, _rstd, _square, check_convention
+from .rms_norm import (LLAMA, _backward, _normalize, _rstd, _square, check_convention,
+                       split_launches)
 
 
 @triton.jit
@@ -99,11 +101,34 @@ def _fused_add_rms_norm_fwd(
                  _normalize(h, rstd, w, offset, HAS_WEIGHT, DT, MODE), mask=mask)
 
 
+@triton.jit
+def _fused_add_rms_norm_fwd_sums(
+    X, R, H,                    # input, residual, residual out (x + r)
+    stride_x, stride_r, stride_h,
+    Sums, N,                    # (M, N_BLOCKS) sums of squares of h (flat), row length
+    ACC: tl.constexpr, DT: tl.constexpr, MODE: tl.constexpr,
+    N_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The split forward's first launch (kernels.rms_norm.split_launches): h for one
+    block of a row, stored, and its sum of squares; the second launch normalizes h."""
+    row = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < N
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(ACC)
+    r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(ACC)
+    h_low = round_to(x + r, DT)  # the norm sees the residual stream as stored
+    tl.store(H + row * stride_h + cols, h_low, mask=mask)
+    tl.store(Sums + row * N_BLOCKS + block,
+             tl.sum(_square(h_low.to(ACC), DT, MODE), axis=0))
+
+
 def _forward(x2d: torch.Tensor, r2d: torch.Tensor, weight, eps: float,
              offset: float = 0.0,
-             mode: int = LLAMA):
+             mode: int = LLAMA, split=None):
     """Launch the kernel on (M, N) views; returns (y2d, h2d, rstd), rstd in the
-    accumulation dtype."""
+    accumulation dtype. ``split``: None chooses from N and the dtype (rms_norm's
+    rule); tests force it."""
     M, N = x2d.shape
     y = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)
     h = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)
@@ -112,6 +137,13 @@ def _forward(x2d: torch.Tensor, r2d: torch.Tensor, weight, eps: float,
     if M == 0 or N == 0:
         return y, h, rstd.fill_(float("nan") if N == 0 else 0.0)
     cfg = rms_config(N, x2d.element_size())
+    if split is None:
+        split = rms_split(N, x2d.element_size())
+    if split:
+        split_launches(h, y, weight, rstd, eps, offset, mode,
+                       _fused_add_rms_norm_fwd_sums,
+                       (x2d, r2d, h, x2d.stride(0), r2d.stride(0), h.stride(0)))
+        return y, h, rstd
     # dummy pointer when HAS_WEIGHT is False
     w = weight.contiguous() if weight is not None else x2d
     with device_guard(x2d):

@@ -3,24 +3,26 @@ r"""RMSNorm forward and backward as Triton kernels, differentiable through
 
 .. math:: y_i = \gamma_i \, \frac{x_i}{\sqrt{\tfrac1n \sum_k x_k^2 + \epsilon}}
 
-Forward: one program normalizes ``BLOCK_M`` rows. A row that fits in one block (``N`` up
-to 8192 elements, :func:`kernels._config.rms_config`) is read from memory once and kept
-in registers; a wider row is reduced in a loop over blocks and read a second time to
-write the output. Tiles depend on N and the dtype only, never on the number of rows M,
-so a row's bits do not depend on its batch (batch invariance).
+Forward: one program normalizes ``BLOCK_M`` rows when a row fits in one block (``N`` up
+to 8192 elements, :func:`kernels._config.rms_config`): the row is read from memory once
+and kept in registers. A wider row is split over programs, one per block of 4096
+elements, in two launches (:func:`split_launches`): the first stores each block's sum
+of squares, the second adds a row's sums, forms 1/rms and normalizes its block. The
+choice and the tiles depend on N and the dtype only, never on the number of rows M, so
+a row's bits do not depend on its batch (batch invariance).
 
-Rows of 64K elements and more: we make the second read hit L2 rather than split a row
-over programs. The second sweep walks the row's blocks last to first, so that it starts
-with the blocks read most recently, the likeliest to be still in L2. Splitting a row
-over several programs with a two-kernel reduction would read the row twice from memory
-as well (the second kernel starts after the first has streamed every row through L2);
-reading it exactly once needs the programs of a row to share their sums on chip
-(thread-block clusters, sm_90 only), which Triton does not expose. At the benchmark's
-widest shape (256 rows of 262,144) the grid has 256
-programs of 16 warps for 132 SMs: every SM has work. Decode shapes (1-64 rows of
-4096-8192) move at most 1 MiB, less than what a GPU streams during one kernel launch's
-latency (we expect such launches to be latency-bound: more programs cannot make them
-faster), so they keep one program per row tile.
+Why split: at decode (M = 1 ... 64 rows) one program per row leaves most of a GPU's
+132 SMs idle; split, a row of N elements occupies N / 4096 of them. The cost: the second
+launch reads x again after the first has streamed every row, so when the tensor is
+larger than L2 (the benchmark's 2**26 elements) that read comes from memory, where the
+single-program loop (kept, ``split=False``) re-read its row's blocks while they were
+still in L2. We expect the split to win at decode shapes and lose up to a third at
+large M for rows past 8192 elements; not measured (no GPU was at hand). Reading the row
+exactly once would need the programs of a row to share their sums on chip
+(thread-block clusters, sm_90 only), which Triton does not expose. Rows that fit one
+block are not split, even at decode: 1-64 rows of 4096-8192 move at most 1 MiB, less
+than a GPU streams during one launch's latency, so we expect a second launch to cost
+more than the programs it adds would gain.
 
 Backward (vector-Jacobian product, per row, with :math:`\hat x = x/r` and :math:`g =
 \gamma \odot dy`):
@@ -72,7 +74,7 @@ import triton.language as tl
 
 from . import _validate
 from ._config import (LAUNCH, RMS_LOOP_BLOCK_N, accumulation_dtype, rms_config,
-                      tl_accumulation_dtype)
+                      rms_split, tl_accumulation_dtype)
 from ._reduce import num_partials_within, partial_traffic_bytes, sum_partials
 from ._runtime import device_guard
 from ._triton_utils import round_to
@@ -209,10 +211,88 @@ def _rms_norm_fwd(
         tl.store(y_rows + cols[None, :], y, mask=mask)
 
 
+# ---------------------------------------------------------------- split rows
+#
+# A row wider than one block (N > the single-block limit of rms_config) is split over
+# programs, one per block of RMS_LOOP_BLOCK_N elements, in two launches: the first
+# stores each block's sum of squares in an (M, blocks) buffer of the accumulation dtype,
+# the second adds a row's sums (one tree over the blocks, fixed by N), forms 1/rms and
+# normalizes its block. The grid is (M, blocks): a decode batch of a few rows occupies
+# M times N / 4096 programs rather than M, and a row's sums are formed the same way in
+# every batch.
+
+
+@triton.jit
+def _rms_norm_fwd_sums(
+    X, stride_x,                # input, distance between its rows
+    Sums, N,                    # (M, N_BLOCKS) sums of squares (flat), row length
+    ACC: tl.constexpr, DT: tl.constexpr, MODE: tl.constexpr,
+    N_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    x = tl.load(X + row * stride_x + cols, mask=cols < N, other=0.0).to(ACC)
+    tl.store(Sums + row * N_BLOCKS + block, tl.sum(_square(x, DT, MODE), axis=0))
+
+
+@triton.jit
+def _rms_norm_fwd_apply(
+    X, Y, W, Rstd, Sums,        # input (or h), output, weight, 1/rms, the sums above
+    stride_x, stride_y, N, eps, offset,
+    HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
+    N_BLOCKS: tl.constexpr, BLOCKS_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    DT: tl.constexpr = Y.dtype.element_ty
+    rows = tl.program_id(0) + tl.arange(0, 1)
+    block = tl.program_id(1)
+    rows = rows.to(tl.int64)
+    # Every program of a row adds the same sums the same way: the same 1/rms.
+    b = tl.arange(0, BLOCKS_P2)
+    sums = tl.load(Sums + rows[:, None] * N_BLOCKS + b[None, :],
+                   mask=(b < N_BLOCKS)[None, :], other=0.0)
+    rstd = _rstd(tl.sum(sums, axis=1), N, eps, rows >= 0, DT, MODE)
+    if block == 0:
+        tl.store(Rstd + rows, rstd)
+    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (cols < N)[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask,
+                other=0.0).to(ACC)
+    w = x  # placeholder when there is no weight (never read)
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=cols < N, other=0.0).to(ACC)
+    y = _normalize(x, rstd, w, offset, HAS_WEIGHT, DT, MODE)
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y, mask=mask)
+
+
+def split_launches(x2d, y, weight, rstd, eps, offset, mode, sums_kernel, sums_args):
+    """The split forward's two launches (rms_norm's, or fused_add_rms_norm's with its
+    own first kernel, which also writes h: then ``x2d`` is h). ``sums_args``: the first
+    kernel's arguments before the sums buffer (and N)."""
+    M, N = x2d.shape
+    block_n = RMS_LOOP_BLOCK_N
+    n_blocks = triton.cdiv(N, block_n)
+    acc = rstd.dtype
+    sums = torch.empty((M * n_blocks,), dtype=acc, device=x2d.device)
+    w = weight.contiguous() if weight is not None else x2d
+    consts = dict(ACC=tl_accumulation_dtype(acc), MODE=mode, N_BLOCKS=n_blocks,
+                  BLOCK_N=block_n, num_warps=block_n // 256, **LAUNCH)
+    dt = {torch.float32: tl.float32, torch.float16: tl.float16,
+          torch.bfloat16: tl.bfloat16, torch.float64: tl.float64}[y.dtype]
+    with device_guard(x2d):
+        sums_kernel[(M, n_blocks)](*sums_args, sums, N, DT=dt, **consts)
+        _rms_norm_fwd_apply[(M, n_blocks)](
+            x2d, y, w, rstd, sums, x2d.stride(0), y.stride(0), N, eps, offset,
+            HAS_WEIGHT=weight is not None,
+            BLOCKS_P2=triton.next_power_of_2(n_blocks), **consts,
+        )
+
+
 def _forward(x2d: torch.Tensor, weight, eps: float, offset: float = 0.0,
-             mode: int = LLAMA):
+             mode: int = LLAMA, split=None):
     """Launch the kernel on a (M, N) view; returns (y2d, rstd), rstd of shape (M,) in
-    the accumulation dtype."""
+    the accumulation dtype. ``split``: None chooses from N and the dtype
+    (:func:`kernels._config.rms_split`); tests force it."""
     M, N = x2d.shape
     y = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)
     acc = accumulation_dtype(x2d.dtype)
@@ -220,6 +300,12 @@ def _forward(x2d: torch.Tensor, weight, eps: float, offset: float = 0.0,
     if M == 0 or N == 0:
         return y, rstd.fill_(float("nan") if N == 0 else 0.0)
     cfg = rms_config(N, x2d.element_size())
+    if split is None:
+        split = rms_split(N, x2d.element_size())
+    if split:
+        split_launches(x2d, y, weight, rstd, eps, offset, mode, _rms_norm_fwd_sums,
+                       (x2d, x2d.stride(0)))
+        return y, rstd
     # dummy pointer when HAS_WEIGHT is False
     w = weight.contiguous() if weight is not None else x2d
     with device_guard(x2d):

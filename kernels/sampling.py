@@ -23,6 +23,14 @@ Gumbel-max trick (an exponential race): the sample is :math:`\arg\max_i z_i - \l
 over the kept tokens, :math:`E_i \sim \mathrm{Exp}(1)`, which needs neither the
 normalizing sum nor a prefix sum.
 
+Rows of :data:`SAMPLE_SPLIT_MIN_N` keys and more (a vocabulary: Qwen3's has 151,936) are
+split over programs, one per tile of SAMPLE_TILE keys, so that a decode batch (M = 1 ...
+64 rows) occupies more than M of the GPU's SMs: each search pass is a launch whose
+programs count or sum their tile, and the next launch merges the tiles' FANOUT-vectors
+in tile order, the order of the single program's loop (:func:`_sample_split_kernel`).
+The choice and the tiles depend on N only, never on M, and the sums are the loop's, so
+the split path keeps the same threshold and draws the same token, bit for bit.
+
 Random numbers come from Triton's counter-based Philox (``tl.randint``): element ``(r,
 c)`` of the (M, N) row view uses key ``seed`` (two 32-bit halves, low first) and counter
 ``(r*N + c) mod 2**32, (r*N + c) >> 32, 0, 0``. A draw therefore depends only on the
@@ -76,7 +84,8 @@ _ONE_MINUS_ULP = tl.constexpr(ONE_MINUS_ULP)
 def row_reads(top_k: bool = False, top_p: bool = False) -> int:
     """Passes of ``_sample_kernel`` over a row wider than one tile: each search pass,
     the top-p total and the draw read the row once (a row that fits in one tile is read
-    once in all)."""
+    once in all). A split row (:data:`SAMPLE_SPLIT_MIN_N`) takes one launch per pass,
+    and one more for the argmax merge."""
     return 1 + top_k * SEARCH_PASSES + top_p * (1 + SEARCH_PASSES)
 
 
@@ -175,6 +184,29 @@ def _exponential(V):
 
 
 @triton.jit
+def _scores(key, tau, rows, cols, N, seed, GREEDY: tl.constexpr):
+    """The race's score of each token of a tile: z - log E where kept (greedy: z),
+    -inf elsewhere (padding's key is below every tau)."""
+    keep = key >= tau[:, None]
+    z = _key_to_z(key)
+    if GREEDY:
+        score = z
+    else:
+        # Philox counter = the element's index in the (M, N) view: independent of
+        # tiling.
+        r = tl.randint(seed, rows[:, None] * N + cols[None, :]).to(tl.uint32,
+                                                                   bitcast=True)
+        # V in (0, 1) with 2**-32 steps near 0, where the winners' E live. (r + 0.5) has
+        # 33 significant bits: the fp32 V is exact only for r < 2**23 (V < 2**-9);
+        # above, the conversion rounds r to 24 bits (steps of up to 2**-24 near 1), and
+        # r >= 2**32 - 128 rounds V up to 1, clamped to keep E finite.
+        V = tl.minimum((r.to(tl.float32) + 0.5) * 2.3283064365386963e-10,
+                       _ONE_MINUS_ULP)
+        score = z - tl.log(_exponential(V))
+    return tl.where(keep, score, float("-inf"))
+
+
+@triton.jit
 def _sample_kernel(
     # logits, per-row max, sampled index (int64), threshold key (int32)
     X, Rowmax, Out, Tau,
@@ -236,23 +268,7 @@ def _sample_kernel(
         else:
             cols = off + tl.arange(0, BLOCK_N)
             key = _tile(X, x_rows, row_mask, cols, N, rowmax, inv_temp)
-        keep = key >= tau[:, None]  # padding's key is below every tau
-        z = _key_to_z(key)
-        if GREEDY:
-            score = z
-        else:
-            # Philox counter = the element's index in the (M, N) view: independent of
-            # tiling.
-            r = tl.randint(seed, rows[:, None] * N + cols[None, :]).to(tl.uint32,
-                                                                       bitcast=True)
-            # V in (0, 1) with 2**-32 steps near 0, where the winners' E live. (r + 0.5)
-            # has 33 significant bits: the fp32 V is exact only for r < 2**23 (V <
-            # 2**-9); above, the conversion rounds r to 24 bits (steps of up to 2**-24
-            # near 1), and r >= 2**32 - 128 rounds V up to 1, clamped to keep E finite.
-            V = tl.minimum((r.to(tl.float32) + 0.5) * 2.3283064365386963e-10,
-                           _ONE_MINUS_ULP)
-            score = z - tl.log(_exponential(V))
-        score = tl.where(keep, score, float("-inf"))
+        score = _scores(key, tau, rows, cols, N, seed, GREEDY)
         blk_best = tl.max(score, axis=1)
         blk_idx = tl.argmax(score, axis=1, tie_break_left=True).to(tl.int64) + off
         # Strictly greater: on a tie the earlier block (smaller index) keeps the win.
@@ -262,10 +278,206 @@ def _sample_kernel(
     tl.store(Out + rows, best_idx, mask=row_mask)
 
 
+# ---------------------------------------------------------------- split rows
+#
+# At decode (M = 1 ... 64 rows) _sample_kernel runs M programs on a GPU of 132 SMs, each
+# reading its row up to 2 * SEARCH_PASSES + 2 times (row_reads). The split path gives
+# each tile of a row its own program, launch after launch: every launch first merges
+# what the previous one left (the FANOUT counts or masses of each tile, added in tile
+# order, as the loop above adds them) into the row's search state, then computes its
+# tile's share of the next step. Same tiles, same sums in the same order: the same
+# threshold and the same draw as the single program's loop, bit for bit
+# (tests/test_sampling.py).
+
+# What a launch merges (MERGE) and produces (PRODUCE): the FANOUT counts or masses of
+# one search pass, the top-p total, or (PRODUCE only) the draw's best score per tile.
+NOTHING, COUNTS, TOTAL, MASSES, DRAW = range(5)
+# The same, as the constexprs a kernel may read.
+_COUNTS, _TOTAL, _MASSES, _DRAW = (tl.constexpr(v)
+                                   for v in (COUNTS, TOTAL, MASSES, DRAW))
+# Rows at least this wide are split (a function of N only, never of M). Below, the
+# extra launches (2 to 19 instead of 1) should cost more than the single program's
+# sweeps: we expect a launch to cost a few microseconds, and a 4096-element tile a pass
+# about one microsecond of one SM (15 compare-and-sum candidates an element). Not
+# measured: no GPU was at hand.
+SAMPLE_SPLIT_MIN_N = 8 * SAMPLE_TILE
+
+
+@triton.jit
+def _merged(Part, rows, fan, N_CHUNKS: tl.constexpr, DT: tl.constexpr):
+    """Sum of a row's N_CHUNKS partial vectors (FANOUT each), in tile order: the order
+    in which _search's loop adds its tiles. Unrolled, so the loads issue together."""
+    acc = tl.zeros([1, _FANOUT], DT)
+    for c in tl.static_range(N_CHUNKS):
+        acc = acc + tl.load(Part + (rows[:, None] * N_CHUNKS + c) * _FANOUT
+                            + fan[None, :])
+    return acc
+
+
+@triton.jit
+def _sample_split_kernel(
+    X, Rowmax,
+    PartIn, PartOut,               # (M, N_CHUNKS, FANOUT) int32 counts or fp32 masses
+    LoIn, LoOut, TauIn, TauOut, TargetIn, TargetOut,  # each row's state, (M,)
+    Best, BestIdx,                 # (M, N_CHUNKS): each tile's best score and index
+    # (the buffers are flat: only X is a row of the call's)
+    stride_x, M, N, seed, inv_temp, top_k, top_p, log_min_p,
+    merge_pass, produce_pass,      # the search passes merged and produced
+    MERGE: tl.constexpr, PRODUCE: tl.constexpr, GREEDY: tl.constexpr,
+    HAS_MIN_P: tl.constexpr, N_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) + tl.arange(0, 1)
+    chunk = tl.program_id(1)
+    row_mask = rows < M
+    rows = rows.to(tl.int64)
+    fan = tl.arange(0, _FANOUT)
+    lo = tl.load(LoIn + rows)
+    tau = tl.load(TauIn + rows)
+    target = tl.load(TargetIn + rows)
+    # Every program of a row merges the same values in the same order: the same state.
+    if MERGE == _COUNTS or MERGE == _MASSES:
+        if MERGE == _COUNTS:
+            acc = _merged(PartIn, rows, fan, N_CHUNKS, tl.int32)
+            ok = acc >= top_k
+        else:
+            acc = _merged(PartIn, rows, fan, N_CHUNKS, tl.float32)
+            ok = acc >= target[:, None]
+        step = tl.full([], 1, tl.int32) << tl.maximum(
+            31 - _SEARCH_BITS * (merge_pass + 1), 0)
+        cand = lo[:, None] + fan[None, :] * step
+        ok = ok | (fan[None, :] == 0)
+        lo = tl.max(tl.where(ok, cand, _KEY_PAD), axis=1)
+        # The last pass pins the threshold; the next search starts afresh.
+        done = merge_pass == _SEARCH_PASSES - 1
+        tau = tl.where(done, lo, tau)
+        lo = tl.where(done, _KEY_LO, lo)
+    if MERGE == _TOTAL:
+        total = _merged(PartIn, rows, fan, N_CHUNKS, tl.float32)
+        target = top_p * tl.sum(tl.where(fan[None, :] == 0, total, 0.0), axis=1)
+    if PRODUCE == _DRAW and HAS_MIN_P:
+        tau = tl.maximum(tau, _order_key(tl.full([1], log_min_p, tl.float32)))
+    if chunk == 0:
+        tl.store(LoOut + rows, lo)
+        tl.store(TauOut + rows, tau)
+        tl.store(TargetOut + rows, target)
+
+    rowmax = tl.load(Rowmax + rows).to(tl.float32)
+    x_rows = X + rows[:, None] * stride_x
+    cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+    key = _tile(X, x_rows, row_mask, cols, N, rowmax, inv_temp)
+    part_at = PartOut + (rows[:, None] * N_CHUNKS + chunk) * _FANOUT + fan[None, :]
+    if PRODUCE == _COUNTS or PRODUCE == _MASSES:
+        # One tile's share of _search's pass: the same sums, from zero.
+        step = tl.full([], 1, tl.int32) << tl.maximum(
+            31 - _SEARCH_BITS * (produce_pass + 1), 0)
+        if PRODUCE == _MASSES:
+            acc = tl.zeros([1, _FANOUT], tl.float32)
+            e = tl.where(key >= tau[:, None], tl.exp(_key_to_z(key)), 0.0)
+        else:
+            acc = tl.zeros([1, _FANOUT], tl.int32)
+        for j in tl.static_range(1, _FANOUT):
+            t = lo + j * step
+            if PRODUCE == _MASSES:
+                part = tl.sum(tl.where(key >= t[:, None], e, 0.0), axis=1)
+            else:
+                part = tl.sum((key >= t[:, None]).to(tl.int32), axis=1)
+            acc = tl.where(fan[None, :] == j, acc + part[:, None], acc)
+        tl.store(part_at, acc)
+    if PRODUCE == _TOTAL:
+        e = tl.where(key >= tau[:, None], tl.exp(_key_to_z(key)), 0.0)
+        total = tl.zeros([1], tl.float32) + tl.sum(e, axis=1)
+        tl.store(part_at, tl.where(fan[None, :] == 0, total[:, None], 0.0))
+    if PRODUCE == _DRAW:
+        score = _scores(key, tau, rows, cols, N, seed, GREEDY)
+        tl.store(Best + rows * N_CHUNKS + chunk, tl.max(score, axis=1))
+        blk_idx = tl.argmax(score, axis=1, tie_break_left=True).to(tl.int64)
+        tl.store(BestIdx + rows * N_CHUNKS + chunk, blk_idx + chunk * BLOCK_N)
+
+
+@triton.jit
+def _sample_split_argmax_kernel(Best, BestIdx, TauIn, Out, Tau,
+                                N_CHUNKS: tl.constexpr):
+    """The draw's merge, per row: the best tile in tile order, the earlier on a tie
+    (strictly greater wins, as in _sample_kernel's loop)."""
+    row = tl.program_id(0).to(tl.int64)
+    best = tl.full([], float("-inf"), tl.float32)
+    best_idx = tl.zeros([], tl.int64)
+    for c in tl.static_range(N_CHUNKS):
+        score = tl.load(Best + row * N_CHUNKS + c)
+        idx = tl.load(BestIdx + row * N_CHUNKS + c)
+        better = score > best
+        best_idx = tl.where(better, idx, best_idx)
+        best = tl.where(better, score, best)
+    tl.store(Out + row, best_idx)
+    tl.store(Tau + row, tl.load(TauIn + row))
+
+
+def _split_steps(has_top_k, has_top_p):
+    """(MERGE, merge_pass, PRODUCE, produce_pass) of each launch, in order."""
+    steps, prev = [], (NOTHING, 0)
+    if has_top_k:
+        for p in range(SEARCH_PASSES):
+            steps.append(prev + (COUNTS, p))
+            prev = (COUNTS, p)
+    if has_top_p:
+        steps.append(prev + (TOTAL, 0))
+        prev = (TOTAL, 0)
+        for p in range(SEARCH_PASSES):
+            steps.append(prev + (MASSES, p))
+            prev = (MASSES, p)
+    return steps + [prev + (DRAW, 0)]
+
+
+def _forward_split(x2d, rowmax, seed, inv_temp, top_k, top_p, log_min_p, *, greedy,
+                   block_n, num_warps):
+    """The split path of :func:`_forward`: len(_split_steps) launches of (M, tiles)
+    programs, then one of M programs."""
+    M, N = x2d.shape
+    dev = x2d.device
+    chunks = triton.cdiv(N, block_n)
+    # Two of each buffer: a launch reads what the previous one wrote and writes the
+    # other (programs of one launch never read what another of it writes).
+    # Flat buffers, indexed as (M, chunks, FANOUT) and (M, chunks).
+    counts = [torch.empty((M * chunks * FANOUT,), dtype=torch.int32, device=dev)
+              for _ in range(2)]
+    masses = [torch.empty((M * chunks * FANOUT,), dtype=torch.float32, device=dev)
+              for _ in range(2)]
+    lo = [torch.full((M,), KEY_LO, dtype=torch.int32, device=dev) for _ in range(2)]
+    tau = [torch.full((M,), KEY_PAD + 1, dtype=torch.int32, device=dev)
+           for _ in range(2)]
+    target = [torch.zeros((M,), dtype=torch.float32, device=dev) for _ in range(2)]
+    best = torch.empty((M * chunks,), dtype=torch.float32, device=dev)
+    best_idx = torch.empty((M * chunks,), dtype=torch.int64, device=dev)
+    out = torch.empty((M,), dtype=torch.int64, device=dev)
+    tau_out = torch.empty((M,), dtype=torch.int32, device=dev)
+    scalars = (x2d.stride(0), M, N, seed, inv_temp, top_k or 0,
+               1.0 if top_p is None else top_p * (1.0 - TOP_P_SLACK),
+               log_min_p or 0.0)
+    steps = _split_steps(top_k is not None, top_p is not None)
+    with device_guard(x2d):
+        for i, (merge, merge_pass, produce, produce_pass) in enumerate(steps):
+            a, b = i % 2, (i + 1) % 2
+            part_in = counts[a] if merge == COUNTS else masses[a]
+            part_out = counts[b] if produce == COUNTS else masses[b]
+            _sample_split_kernel[(M, chunks)](
+                x2d, rowmax, part_in, part_out, lo[a], lo[b], tau[a], tau[b],
+                target[a], target[b], best, best_idx, *scalars,
+                merge_pass, produce_pass,
+                MERGE=merge, PRODUCE=produce, GREEDY=greedy,
+                HAS_MIN_P=log_min_p is not None, N_CHUNKS=chunks, BLOCK_N=block_n,
+                num_warps=num_warps, **LAUNCH,
+            )
+        _sample_split_argmax_kernel[(M,)](best, best_idx, tau[len(steps) % 2], out,
+                                          tau_out, N_CHUNKS=chunks, num_warps=1,
+                                          **LAUNCH)
+    return out, tau_out
+
+
 def _forward(x2d, rowmax, seed, inv_temp, top_k, top_p, log_min_p, *, greedy,
-             block_n=None):
+             block_n=None, split=None):
     """Launch on an (M, N) view; returns (indices int64 (M,), threshold keys int32
-    (M,))."""
+    (M,)). ``split``: None chooses from N (:data:`SAMPLE_SPLIT_MIN_N`); tests force it
+    either way (with ``block_n``, at a small N)."""
     M, N = x2d.shape
     out = torch.empty((M,), dtype=torch.int64, device=x2d.device)
     tau = torch.empty((M,), dtype=torch.int32, device=x2d.device)
@@ -293,10 +505,16 @@ def _forward(x2d, rowmax, seed, inv_temp, top_k, top_p, log_min_p, *, greedy,
             block_m = min(triton.next_power_of_2(M), max(65536 // block_n_cfg, 1))
         else:
             block_n_cfg = 65536
+    if split is None:
+        split = N >= SAMPLE_SPLIT_MIN_N
     if block_n is None:
         block_n = block_n_cfg
     else:  # tests: force the looped path on a small row
         block_m, single = 1, block_n >= N
+    if split:
+        # One program per tile of the looped path (the same tiles, so the same sums).
+        return _forward_split(x2d, rowmax, seed, inv_temp, top_k, top_p, log_min_p,
+                              greedy=greedy, block_n=block_n, num_warps=num_warps)
     with device_guard(x2d):
         _sample_kernel[(triton.cdiv(M, block_m),)](
             x2d, rowmax, out, tau, x2d.stride(0), M, N, seed,
@@ -427,7 +645,8 @@ def sample(logits, *, temperature=1.0, top_k=None, top_p=None, min_p=None,
     return idx.view(out_shape)
 
 
-def _launch(x2d, rowmax, temperature, top_k, top_p, min_p, generator, block_n=None):
+def _launch(x2d, rowmax, temperature, top_k, top_p, min_p, generator, block_n=None,
+            split=None):
     """Map the validated arguments onto the kernel's: constexpr flags for filters that
     act."""
     n = x2d.shape[1]
@@ -443,4 +662,5 @@ def _launch(x2d, rowmax, temperature, top_k, top_p, min_p, generator, block_n=No
         if log_min_p is not None:
             log_min_p = max(log_min_p, float(torch.finfo(torch.float32).min))
     return _forward(x2d, rowmax, 0 if seed is None else seed, inv_temp, top_k, top_p,
-                    log_min_p, greedy=seed is None, block_n=block_n)
+                    log_min_p, greedy=seed is None, block_n=block_n,
+                    split=split)

@@ -12,6 +12,7 @@ Two outputs, two arguments for the tolerance:
   more, relatively.
 """
 
+import importlib
 import math
 
 import pytest
@@ -218,3 +219,23 @@ ONES = ones(3, 4)
 )
 def test_bad_arguments_raise_clear_errors(call, exc, words, monkeypatch):
     assert_rejected_before_launch(monkeypatch, "fused_add_rms_norm", call, exc, words)
+
+
+def test_split_rows_match_rms_norm_and_do_not_depend_on_their_batch(poison_empty):
+    """8200 bf16 values, past the single-block limit: the split forward (h and its sums per
+    block, then the normalization of h) equals residual add then kernels.rms_norm bit for
+    bit (the same sums, added the same way), and row 1's y, h and 1/rms are the same alone
+    and in a batch of 3. The tail (last block, 8 values) is 40 times larger than the rest, so
+    a dropped block would move 1/rms several-fold."""
+    fused_module = importlib.import_module("kernels.fused_add_rms_norm")
+    n = 8200
+    x, r = randn(3, n, dtype=torch.bfloat16), randn(3, n, dtype=torch.bfloat16)
+    x[:, -8:] *= 40
+    w = randn(n, dtype=torch.bfloat16)
+    y, h = fused_add_rms_norm(x, r, w)
+    assert torch.equal(h, x + r) and torch.equal(y, rms_norm(x + r, w))
+    assert_close_to_reference(y, ref.rms_norm(h, w, 1e-6), torch.bfloat16,
+                              weight_max=w.abs().max().item())
+    batch = fused_module._forward(x, r, w, 1e-6)
+    alone = fused_module._forward(x[1:2], r[1:2], w, 1e-6)
+    assert all(torch.equal(a[0], b[1]) for a, b in zip(alone, batch))

@@ -1,5 +1,6 @@
 """kernels.rms_norm against the float64 reference (kernels.reference.rms_norm)."""
 
+import importlib
 import math
 
 import pytest
@@ -10,6 +11,7 @@ from hypothesis import strategies as st
 from conftest import LOW_PRECISION, UNIT_ROUNDOFF, assert_close_to_reference, randn, assert_rejected_before_launch
 from kernels import DEVICE, rms_norm
 from kernels import reference as ref
+from kernels._config import rms_split
 
 SIZES = [1, 2, 7, 1000, 4097, 262147]
 
@@ -159,3 +161,32 @@ def test_property_scale_invariance_and_unit_rms(m, n, log_scale, a, seed):
 )
 def test_bad_arguments_raise_clear_errors(call, exc, words, monkeypatch):
     assert_rejected_before_launch(monkeypatch, "rms_norm", call, exc, words)
+
+
+# ------------------------------------------------------------------ rows split over programs
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_rows_match_reference_and_do_not_depend_on_their_batch(dtype, poison_empty):
+    """8200 elements, past the single-block limit: the forward splits each row over three
+    blocks of 4096 (the last holds 8) in two launches. The last 8 values are 40 times the
+    others, so they carry most of the sum of squares: a merge that dropped the last block
+    would move 1/rms several-fold, far outside the tolerance. Row 1 alone and in the batch
+    of 3 gets the same bits (y and the saved 1/rms): its sums are formed by its own
+    programs, the same way at any M."""
+    rms_module = importlib.import_module("kernels.rms_norm")
+    n = 8200
+    assert rms_split(n, dtype.itemsize) and not rms_split(8192, dtype.itemsize)
+    x = randn(3, n, dtype=dtype)
+    x[:, -8:] *= 40
+    w = randn(n, dtype=dtype)
+    y = rms_norm(x, w, eps=1e-6)
+    assert_close_to_reference(y, ref.rms_norm(x, w, 1e-6), dtype,
+                              weight_max=w.abs().max().item())
+    batch = rms_module._forward(x, w, 1e-6)
+    alone = rms_module._forward(x[1:2], w, 1e-6)
+    assert torch.equal(batch[0], y)
+    assert torch.equal(alone[0][0], batch[0][1]) and torch.equal(alone[1][0], batch[1][1])
+    # The single-program loop (no longer launched for such rows) agrees within rounding.
+    looped = rms_module._forward(x, w, 1e-6, split=False)
+    assert_close_to_reference(looped[0], ref.rms_norm(x, w, 1e-6), dtype,
+                              weight_max=w.abs().max().item())

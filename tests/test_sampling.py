@@ -94,12 +94,17 @@ def kept_by_kernel(x, block_n=None, **kw):
     rowmax = x2d.amax(-1)
     _, tau = sampling._launch(x2d, rowmax, kw.get("temperature", 1.0), kw.get("top_k"),
                               kw.get("top_p"), kw.get("min_p"), 5, block_n=block_n)
-    inv_t = min(1.0 / kw.get("temperature", 1.0), torch.finfo(torch.float32).max)
-    z = (x2d.float() - rowmax.float()[:, None]) * torch.tensor(inv_t, dtype=torch.float32)
+    return (order_keys(x2d, kw.get("temperature", 1.0)) >= tau[:, None]).cpu()
+
+
+def order_keys(x2d, temperature):
+    """The kernel's order keys of z = (x - max x) / T (sampling._order_key, in torch)."""
+    inv_t = min(1.0 / temperature, torch.finfo(torch.float32).max)
+    z = (x2d.float() - x2d.amax(-1).float()[:, None]) * torch.tensor(inv_t,
+                                                                      dtype=torch.float32)
     z = torch.where(z == 0, torch.zeros_like(z), z)
     bits = z.view(torch.int32)
-    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    return (key >= tau[:, None]).cpu()
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
 @pytest.mark.parametrize("kw", CONFIGS[2:], ids=str)
@@ -383,3 +388,65 @@ def test_a_rows_threshold_and_draw_do_not_depend_on_its_batch(n):
     for m in (3, 64):
         batch = sampling._launch(x[:m], x[:m].amax(-1), *filters)
         assert batch[0][0] == alone[0][0] and batch[1][0] == alone[1][0]
+
+
+# ------------------------------------------------------------------ a row split over programs
+
+@pytest.mark.parametrize("filters", [(0.8, 9, 0.7, None), (1.0, None, None, 0.05)],
+                         ids=["top_k-top_p", "min_p"])
+def test_split_rows_draw_what_one_program_draws(filters, poison_empty):
+    """The split path (one program per tile, a merge per launch) against the single-program
+    loop over the same 32-element tiles: the same threshold key and the same token, bit for
+    bit, with every kind of launch (counts, total, masses, draw; min-p applied in the draw's).
+    40 keys: two tiles, the second one partial, holding three of the top 9 (one row: the
+    interpreter runs 19 launches). The top-p threshold stands on the top-k one (its floor)
+    and keeps fewer than 9 tokens, so a merge that dropped a tile or a step would move it;
+    the poisoned buffers catch a state or partial that no launch wrote."""
+    x = (logits_row(40, seed=5, scale=2.0) - 1.0)[None].to(DEVICE)
+    assert int((x.topk(9).indices >= 32).sum()) == 3
+    args = (x, x.amax(-1), *filters, 5)
+    one = sampling._launch(*args, block_n=32, split=False)
+    split = sampling._launch(*args, block_n=32, split=True)
+    assert torch.equal(one[0], split[0]) and torch.equal(one[1], split[1])
+    kept = int((order_keys(x, filters[0]) >= split[1][:, None]).sum())
+    assert 1 < kept < (9 if filters[1] else 40), kept  # the last filter acted
+
+
+def test_split_greedy_ties_across_tiles_go_to_the_first():
+    """The row's maximum in tiles 0 and 2 (and twice in tile 2): the argmax merge keeps the
+    earliest tile on a tie, as the loop does. Merging tiles last to first would pick 67."""
+    x = logits_row(70, seed=6).clamp(max=1.0)
+    x[[20, 65, 67]] = 4.0
+    x = x[None].to(DEVICE)
+    for temperature in (0.0, 1e-30):  # greedy; the T -> 0 limit, a draw among the maxima
+        args = (x, x.amax(-1), temperature, None, None, None, 3)
+        out, _ = sampling._launch(*args, block_n=32, split=True)
+        assert out.item() == 20 if temperature == 0.0 else out.item() in (20, 65, 67)
+        assert torch.equal(out, sampling._launch(*args, block_n=32, split=False)[0])
+
+
+def test_split_row_does_not_depend_on_its_batch():
+    """The split path's grid is (rows, tiles) and a row's programs read only their row's
+    partial sums: row x1's top-p threshold is the same alone and after x0, and its draw the
+    same in the batches [x0, x1] and [x0, x1, x2] (its Philox counters, r·N + c with r = 1,
+    are the same there). An index of the partials that used the batch size, not the tile
+    count, would mix rows."""
+    g = torch.Generator().manual_seed(8)
+    x = (torch.randn(3, 20, generator=g) * 2).to(DEVICE)
+    top_p = (1.0, None, 0.8, None, 17)
+    alone = sampling._launch(x[1:2], x[1:2].amax(-1), *top_p, block_n=16, split=True)
+    two = sampling._launch(x[:2], x[:2].amax(-1), *top_p, block_n=16, split=True)
+    assert alone[1][0] == two[1][1]
+    draw = (1.0, None, None, 0.01, 17)
+    two = sampling._launch(x[:2], x[:2].amax(-1), *draw, block_n=16, split=True)
+    three = sampling._launch(x, x.amax(-1), *draw, block_n=16, split=True)
+    assert two[0][1] == three[0][1] and two[1][1] == three[1][1]
+
+
+def test_split_is_chosen_from_the_vocabulary_size_only():
+    """Rows of SAMPLE_SPLIT_MIN_N keys and more are split, at any M; the launches a split row
+    takes: one per search pass, the top-p total and the draw, then the argmax merge."""
+    assert sampling.SAMPLE_SPLIT_MIN_N > sampling.SAMPLE_TILE
+    assert len(sampling._split_steps(False, False)) == 1
+    assert len(sampling._split_steps(True, True)) == 2 * sampling.SEARCH_PASSES + 2
+    assert sampling.row_reads(top_k=True, top_p=True) == len(sampling._split_steps(True, True))
