@@ -16,8 +16,10 @@ Why split: at decode (M = 1 ... 64 rows) one program per row leaves most of a GP
 launch reads x again after the first has streamed every row, so when the tensor is
 larger than L2 (the benchmark's 2**26 elements) that read comes from memory, where the
 single-program loop (kept, ``split=False``) re-read its row's blocks while they were
-still in L2. We expect the split to win at decode shapes and lose up to a third at
-large M for rows past 8192 elements; not measured (no GPU was at hand). Reading the row
+still in L2. So only rows of at least 512 KiB are split (kernels._config.rms_split:
+past that, the loop's re-read misses L2 too); narrower wide rows keep the loop, which
+we expect to be up to a third faster at large M and slower at decode. Not measured (no
+GPU was at hand). Reading the row
 exactly once would need the programs of a row to share their sums on chip
 (thread-block clusters, sm_90 only), which Triton does not expose. Rows that fit one
 block are not split, even at decode: 1-64 rows of 4096-8192 move at most 1 MiB, less

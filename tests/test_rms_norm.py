@@ -174,19 +174,20 @@ def test_split_rows_match_reference_and_do_not_depend_on_their_batch(dtype, pois
     of 3 gets the same bits (y and the saved 1/rms): its sums are formed by its own
     programs, the same way at any M."""
     rms_module = importlib.import_module("kernels.rms_norm")
-    n = 8200
-    assert rms_split(n, dtype.itemsize) and not rms_split(8192, dtype.itemsize)
+    n = 8200  # the split is chosen from 512 KiB rows on; forced here, at interpreter size
+    big = 512 * 1024 // dtype.itemsize
+    assert rms_split(big, dtype.itemsize) and not rms_split(big - 1, dtype.itemsize)
+    assert not rms_split(n, dtype.itemsize) and not rms_split(8192, dtype.itemsize)
     x = randn(3, n, dtype=dtype)
     x[:, -8:] *= 40
     w = randn(n, dtype=dtype)
-    y = rms_norm(x, w, eps=1e-6)
-    assert_close_to_reference(y, ref.rms_norm(x, w, 1e-6), dtype,
+    batch = rms_module._forward(x, w, 1e-6, split=True)
+    alone = rms_module._forward(x[1:2], w, 1e-6, split=True)
+    assert_close_to_reference(batch[0], ref.rms_norm(x, w, 1e-6), dtype,
                               weight_max=w.abs().max().item())
-    batch = rms_module._forward(x, w, 1e-6)
-    alone = rms_module._forward(x[1:2], w, 1e-6)
-    assert torch.equal(batch[0], y)
     assert torch.equal(alone[0][0], batch[0][1]) and torch.equal(alone[1][0], batch[1][1])
-    # The single-program loop (no longer launched for such rows) agrees within rounding.
-    looped = rms_module._forward(x, w, 1e-6, split=False)
-    assert_close_to_reference(looped[0], ref.rms_norm(x, w, 1e-6), dtype,
+    # The single-program loop (what rms_norm launches for such rows) agrees within rounding.
+    y = rms_norm(x, w, eps=1e-6)
+    assert torch.equal(y, rms_module._forward(x, w, 1e-6, split=False)[0])
+    assert_close_to_reference(y, ref.rms_norm(x, w, 1e-6), dtype,
                               weight_max=w.abs().max().item())
