@@ -100,13 +100,14 @@ def rms_config(N: int, element_size: int, backward: bool = False) -> RowConfig:
 
 
 # Rows of at least RMS_SPLIT_MIN_BYTES are split over programs. The split's second
-# launch reads x again after every row has streamed through, from memory once the tensor
-# passes L2; the single-program loop re-reads its row while it is still in L2, as long as
-# the rows in flight fit there: an H100's 50 MiB L2 over its 132 SMs is about 390 KiB
-# per SM, so a row of 512 KiB (262,144 bf16, 131,072 fp32) misses L2 on its re-read
-# even at one program per SM. From there we expect the split to cost nothing at large M and to gain
-# at decode, where one program per row leaves most SMs idle; below it, the loop (8,192 <
-# N < the limit) keeps large batches from a third more traffic. Not measured on a GPU.
+# launch reads x again after every row has streamed through, from memory once the
+# tensor passes L2; the single-program loop re-reads its row while it is still in L2,
+# as long as the rows in flight fit there: an H100's 50 MiB L2 over its 132 SMs is
+# about 390 KiB per SM, so a row of 512 KiB (262,144 bf16, 131,072 fp32) misses L2 on
+# its re-read even at one program per SM. From there we expect the split to cost
+# nothing at large M and to gain at decode, where one program per row leaves most SMs
+# idle; below it, the loop (8,192 < N < the limit) spares large batches a third more
+# traffic. Not measured on a GPU.
 RMS_SPLIT_MIN_BYTES = 512 * 1024
 
 
