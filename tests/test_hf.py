@@ -260,6 +260,9 @@ def test_greedy_generation_identical(build):
     # 5.24) and would have compared fewer steps than this test says. Not min_new_tokens:
     # that sets the EOS logit to -inf, and the argmax over every logit is what is compared.
     kw = dict(max_new_tokens=20, do_sample=False, pad_token_id=0, eos_token_id=None)
+    # The mask given: generate() would otherwise infer padding wherever the random prompt
+    # holds pad_token_id (0), and the patched model rightly refuses a padding mask.
+    kw["attention_mask"] = torch.ones_like(prompt)
     with torch.no_grad():
         want = ref.generate(prompt, **kw)
         got = patched.generate(prompt, **kw)
