@@ -39,6 +39,7 @@ path, fakes CUDA and only then imports ``kernels``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -371,19 +372,50 @@ def _compile_and_read(fn, signature, constexprs, attrs, options, target,
     """Lower one specialized variant to PTX (Triton's pipeline), run ptxas -v, read the
     PTX; cached."""
     import triton
-    from triton.compiler import ASTSource
 
     path = CACHE / f"{key}.json"
-    if path.exists():
+    cached = _cached(path, triton.__version__)
+    if cached is not None:
+        return cached
+    # Two processes that need the same variant at once (a chapter's inspector cell and
+    # the test suite's, both cold) compile it once: the second waits for the first's
+    # entry.
+    # One lock per first two hex digits of the key: 256 small files, and two different
+    # variants rarely wait for each other with a few compilers running.
+    with _compile_lock(key):
+        cached = _cached(path, triton.__version__)
+        return cached if cached is not None else _compile(fn, signature, constexprs,
+                                                          attrs, options, target, path)
+
+
+def _cached(path: pathlib.Path, version: str) -> dict | None:
+    if not path.exists():
+        return None
+    try:
+        cached = json.loads(path.read_text())
+    except ValueError:
+        return None
+    # Another Triton compiles the same source differently: its entry does not count
+    # (entries written before the version was recorded are taken as they are).
+    return cached if cached.get("triton", version) == version else None
+
+
+@contextlib.contextmanager
+def _compile_lock(key: str):
+    import fcntl
+
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / f"compile-{key[:2]}.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the holder exits, however it does
         try:
-            cached = json.loads(path.read_text())
-        except ValueError:
-            cached = None
-        # Another Triton compiles the same source differently: its entry does not count
-        # (entries written before the version was recorded are taken as they are).
-        if cached is not None and cached.get("triton",
-                                             triton.__version__) == triton.__version__:
-            return cached
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _compile(fn, signature, constexprs, attrs, options, target, path) -> dict:
+    import triton
+    from triton.compiler import ASTSource
 
     t0 = time.perf_counter()
     _PTXAS_LOGS.clear()
@@ -627,23 +659,25 @@ def measured_gpu(
 
 def _child(argv: list[str]) -> int:
     """Runs in its own process: fake CUDA, import kernels, capture, compile, write JSON
-    rows."""
+    rows. ``--units``: a JSON file listing [index, arch, dtype, calls, shapes]; each
+    unit's rows go to ``<out-dir>/unit<index>.json`` as soon as it is done (a child
+    stopped at a deadline keeps the units it finished)."""
     p = argparse.ArgumentParser()
-    p.add_argument("--arch", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--dtypes", default=",".join(DTYPES))
-    p.add_argument("--shapes", default="all")  # all | bench | decode | label:M:N,...
-    p.add_argument("--calls", default="")
+    p.add_argument("--units", required=True)
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--phases", default="forward,backward")
     p.add_argument("--latency-ns", type=float, default=LATENCY_NS)
     p.add_argument("--ptx", action="store_true")
     p.add_argument("--bandwidth-gbps", type=float, default=None)
     p.add_argument("--sms", type=int, default=None)
     p.add_argument("--gpu-name", default=None)
     a = p.parse_args(argv)
-    archs = [int(s) for s in a.arch.split(",")]
+    units = json.loads(pathlib.Path(a.units).read_text())
     os.environ.pop("TRITON_INTERPRET", None)
     sys.path.insert(0, str(ROOT))
-    _fake_cuda(archs[0])
+    _fake_cuda(units[0][1])
+    import datetime
+
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -660,69 +694,82 @@ def _child(argv: list[str]) -> int:
     capture = _Capture()
     JITFunction.run = (lambda self, *args, grid, warmup=False, **kw:
                        capture.run(self, args, kw, grid))
+    binders = {}  # per architecture: the JIT's binders depend on the back end
+    for index, arch, dtype, calls, unit_shapes in units:
+        # Every child is given every unit and takes the next one nobody has claimed: the
+        # children share the work however long each unit takes.
+        try:
+            os.close(os.open(pathlib.Path(a.out_dir) / f"unit{index}.claim",
+                             os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            continue
+        if arch not in binders:
+            GPUS[arch] = measured_gpu(GPUS[arch], a.bandwidth_gbps, a.sms, a.gpu_name)
+        # kernels reads the device's capability and SM count at each call, not at import
+        _fake_cuda(arch)
+        capture.target = GPUTarget("cuda", arch, 32)
+        capture.binders = binders.setdefault(arch, {})
+        rows = _unit_rows(capture, GPUS[arch], arch, dtype, calls, unit_shapes,
+                          a.phases.split(","), a.latency_ns, a.ptx, torch)
+        meta = {"triton": triton.__version__, "torch": torch.__version__,
+                "latency_ns": a.latency_ns,
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                    timespec="seconds"),
+                "note": "compiled on a CPU for the target GPU; every column but "
+                        "'predicted' is the compiler's output, 'predicted' is a model, "
+                        "not a measurement",
+                "gpus": {str(arch): asdict(GPUS[arch])},
+                "littles_per_sm": {str(arch): littles_law_bytes(GPUS[arch],
+                                                                a.latency_ns)}}
+        out = pathlib.Path(a.out_dir) / f"unit{index}.json"
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"meta": meta, "rows": rows}))
+        tmp.replace(out)
+    return 0
 
-    if a.shapes in ("all", "bench", "decode"):
-        shapes = [s for s in bench_shapes() if a.shapes in ("all", s[0])]
+
+def _unit_rows(capture, gpu, arch, dtype, calls, unit_shapes, phases, latency_ns, ptx,
+               torch) -> list[dict]:
+    """One unit's rows: every launch of ``calls`` (all when empty) at each shape."""
+    if unit_shapes in ("all", "bench", "decode"):
+        shapes = [s for s in bench_shapes() if unit_shapes in ("all", s[0])]
     else:
         shapes = [(s.split(":")[0], int(s.split(":")[1]),
-                   int(s.split(":")[2])) for s in a.shapes.split(",")]
-    which = set(a.calls.split(",")) if a.calls else None
+                   int(s.split(":")[2])) for s in unit_shapes.split(",")]
+    which = set(calls.split(",")) if calls else None
     rows = []
-    for arch in archs:
-        GPUS[arch] = measured_gpu(GPUS[arch], a.bandwidth_gbps, a.sms, a.gpu_name)
-        _fake_cuda(arch)
-        gpu = GPUS[arch]
-        capture.target = GPUTarget("cuda", arch, 32)
-        capture.binders = {}
-        for dtype in a.dtypes.split(","):
-            for label, M, N in shapes:
-                for call, (forward, backward) in _calls(label, M, N, dtype, which):
-                    seen = set()
-                    for phase, fn in (("forward", forward), ("backward", backward)):
-                        if fn is None:
-                            continue
-                        _INPUTS.clear()
-                        capture.launches, capture.phase = [], "forward"
-                        grad_mode = (torch.no_grad if phase == "forward"
-                                     else torch.enable_grad)
-                        with grad_mode():
-                            gen = fn()
-                            # A backward is a generator: forward launches, then backward
-                            # ones (it stops at once when the function refuses inputs
-                            # requiring grad).
-                            started = phase == "backward" and (
-                                next(gen, StopIteration) is not StopIteration)
-                            if started:
-                                capture.phase = "backward"
-                                next(gen, None)
-                        for launch in capture.launches:
-                            ident = (launch["phase"], launch["key"],
-                                     tuple(launch["grid"]))
-                            # the forward of a backward case: already listed
-                            if ident in seen:
-                                continue
-                            seen.add(ident)
-                            info = _compile_and_read(*launch["_compile"],
-                                                     capture.target, launch["key"])
-                            row = _row(launch, info, gpu, arch, label, M, N, dtype,
-                                       call, a.latency_ns)
-                            if a.ptx and "ptx" in info:
-                                row["ptx"] = info["ptx"]
-                            rows.append(row)
-    import datetime
-
-    meta = {"triton": triton.__version__, "torch": torch.__version__,
-            "latency_ns": a.latency_ns,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                timespec="seconds"),
-            "note": "compiled on a CPU for the target GPU; every column but "
-            "'predicted' is the "
-                    "compiler's output, 'predicted' is a model, not a measurement",
-            "gpus": {str(k): asdict(GPUS[k]) for k in archs},
-            "littles_per_sm": {str(k): littles_law_bytes(GPUS[k], a.latency_ns)
-                               for k in archs}}
-    pathlib.Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows}))
-    return 0
+    for label, M, N in shapes:
+        for call, (forward, backward) in _calls(label, M, N, dtype, which):
+            seen = set()
+            for phase, fn in (("forward", forward), ("backward", backward)):
+                if fn is None or phase not in phases:
+                    continue
+                _INPUTS.clear()
+                capture.launches, capture.phase = [], "forward"
+                grad_mode = torch.no_grad if phase == "forward" else torch.enable_grad
+                with grad_mode():
+                    gen = fn()
+                    # A backward is a generator: forward launches, then backward ones
+                    # (it stops at once when the function refuses inputs requiring
+                    # grad).
+                    started = phase == "backward" and (
+                        next(gen, StopIteration) is not StopIteration)
+                    if started:
+                        capture.phase = "backward"
+                        next(gen, None)
+                for launch in capture.launches:
+                    ident = (launch["phase"], launch["key"], tuple(launch["grid"]))
+                    if ident in seen:  # the forward of a backward case: already listed
+                        continue
+                    seen.add(ident)
+                    info = _compile_and_read(*launch["_compile"], capture.target,
+                                             launch["key"])
+                    row = _row(launch, info, gpu, arch, label, M, N, dtype, call,
+                               latency_ns)
+                    if ptx and "ptx" in info:
+                        row["ptx"] = info["ptx"]
+                    rows.append(row)
+    return rows
 
 
 # ---------------------------------------------------------------- the parent's API
@@ -737,21 +784,27 @@ def _child_env() -> dict:
 def run_inspector(archs=(90,), dtypes=DTYPES, shapes="all", calls=None,
                   latency_ns=LATENCY_NS,
                   ptx=False, timeout=4 * 3600, jobs=None, call_shapes=None, gpu_args=(),
-                  partial=False) -> dict:
-    """Run the inspector in a child process; returns ``{"meta": ..., "rows": [...]}``.
+                  partial=False, phases=("forward", "backward")) -> dict:
+    """Run the inspector in child processes; returns ``{"meta": ..., "rows": [...]}``.
 
     ``shapes``: "all", "bench", "decode", or a list of (label, M, N). ``calls``: names
     such as "rms_norm", "layer_norm", "fused_add_rms_norm", "qk_norm_rope",
     "row_variance.welford". ``call_shapes``: instead of calls × shapes, {call: [(label,
-    M, N), ...]}, one child each (the GPU day inspects each kernel at the shapes it
-    measured). ``gpu_args``: extra child arguments (--bandwidth-gbps, --sms, --gpu-name:
-    see :func:`measured_gpu`). ``partial``: past ``timeout`` seconds, return the units
-    that finished (``meta.units_not_finished``) instead of raising."""
+    M, N), ...]}, one unit each (the GPU day inspects each kernel at the shapes it
+    measured). ``phases``: "forward", "backward" or both (a backward case lists the
+    forward's launches too, once). ``jobs``: children at once (default: one per core).
+    ``gpu_args``: extra child arguments (--bandwidth-gbps, --sms, --gpu-name: see
+    :func:`measured_gpu`). ``partial``: past ``timeout`` seconds, return the units that
+    finished (``meta.units_not_finished``) instead of raising."""
     def spec(sh):
         return sh if isinstance(sh, str) else ",".join(f"{lab}:{m}:{n}" for lab, m,
                                                        n in sh)
 
     archs = [archs] if isinstance(archs, int) else list(archs)
+    phases = [phases] if isinstance(phases, str) else list(phases)
+    if not phases or not set(phases) <= {"forward", "backward"}:
+        raise ValueError(f"phases must be 'forward', 'backward' or both, "
+                         f"not {phases!r}")
     if call_shapes:
         work = [([call], spec(sh)) for call, sh in call_shapes.items()]
     else:
@@ -763,53 +816,50 @@ def run_inspector(archs=(90,), dtypes=DTYPES, shapes="all", calls=None,
             "s.loader.exec_module(m); "
             "sys.exit(m._child(sys.argv[1:]))")
     with tempfile.TemporaryDirectory() as tmp:
-        # One child per (architecture, dtype), as many at once as there are cores:
-        # compiling is the cost, and each child compiles its own variants.
-        units = [(arch, dt, c, sh) for arch in archs for dt in dtypes for c, sh in work]
-        pending, running, done = list(units), [], []
-        dropped = 0
-        jobs = max(1, jobs or os.cpu_count() or 1)
-        deadline = time.monotonic() + timeout
-        while pending or running:
-            while pending and len(running) < jobs:
-                arch, dt, unit_calls, unit_shapes = pending.pop(0)
-                index = len(done) + len(running)
-                out = pathlib.Path(tmp) / f"rows{arch}_{dt}_{index}.json"
-                cmd = [sys.executable, "-c", boot, "--arch", str(arch),
-                       "--out", str(out), "--dtypes", dt, "--shapes", unit_shapes,
-                       "--calls", ",".join(unit_calls), "--latency-ns", str(latency_ns),
-                       *gpu_args] + (["--ptx"] if ptx else [])
-                log = out.with_suffix(".log")
-                with log.open("w") as f:
-                    running.append((out,
-                                    subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
-                                                     stderr=f,
-                                                          env=_child_env(), cwd=ROOT)))
-            out, proc = running.pop(0)
-            try:
-                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                if not partial:
-                    raise
-                # Out of time (the GPU day's budget): keep the units that finished.
-                for _, p in running + [(out, proc)]:
-                    p.kill()
-                dropped = len(running) + 1 + len(pending)
-                running, pending = [], []
-                break
-            finally:
-                if proc.returncode is None or proc.returncode != 0:
-                    for _, p in running + [(out, proc)]:
-                        p.kill()
-            if proc.returncode != 0:
-                err = out.with_suffix(".log").read_text()
-                raise RuntimeError(f"kernels.inspect child failed "
-                                   f"({proc.returncode}):\n{err[-4000:]}")
-            done.append(out)
+        # Units of (architecture, dtype, calls, shapes), shared by as many children as
+        # there are cores (compiling is the cost): each child imports torch and kernels
+        # once (seconds) and then takes units until none is left.
+        units = [(i, arch, dt, ",".join(c), sh) for i, (arch, dt, c, sh)
+                 in enumerate((arch, dt, c, sh) for arch in archs for dt in dtypes
+                              for c, sh in work)]
+        jobs = max(1, min(len(units), jobs or os.cpu_count() or 1))
+        listing = pathlib.Path(tmp) / "units.json"
+        listing.write_text(json.dumps(units))
+        cmd = [sys.executable, "-c", boot, "--units", str(listing), "--out-dir", tmp,
+               "--phases", ",".join(phases), "--latency-ns", str(latency_ns),
+               *gpu_args] + (["--ptx"] if ptx else [])
+        children = []
+        try:
+            for j in range(jobs):
+                with open(pathlib.Path(tmp) / f"child{j}.log", "w") as log:
+                    children.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
+                                                     stderr=log, env=_child_env(),
+                                                     cwd=ROOT))
+            deadline = time.monotonic() + timeout
+            for j, proc in enumerate(children):
+                try:
+                    proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    if not partial:
+                        raise
+                    break  # out of time (the GPU day's budget): keep the finished units
+                if proc.returncode != 0:
+                    err = (pathlib.Path(tmp) / f"child{j}.log").read_text()
+                    raise RuntimeError(f"kernels.inspect child failed "
+                                       f"({proc.returncode}):\n{err[-4000:]}")
+        finally:
+            for proc in children:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        parts = [pathlib.Path(tmp) / f"unit{i}.json" for i, *_ in units]
+        dropped = sum(not part.exists() for part in parts)
         result = {"meta": {"units_not_finished": dropped} if dropped else {},
                   "rows": []}
-        for out in done:
-            part = json.loads(out.read_text())
+        for part in parts:  # in the units' order, whichever child did each
+            if not part.exists():
+                continue
+            part = json.loads(part.read_text())
             for k, v in part["meta"].items():
                 if isinstance(v, dict):
                     result["meta"].setdefault(k, {}).update(v)

@@ -245,3 +245,76 @@ def test_command_line_prints_the_table(inspector_table, tmp_path):
     data = json.loads(out.read_text())
     assert data["meta"]["latency_ns"] == inspector.LATENCY_NS and data["rows"]
     assert {r["M"] for r in data["rows"]} == {1, 8, 64}
+
+
+def test_phases_choose_what_is_compiled(inspector_table):
+    """``phases=("forward",)`` inspects no backward launch (the online_softmax chapter's
+    cell, which shows the forward only); both phases give the backward's kernels too; a
+    misspelt phase is refused before any child starts. Cached by the table's run."""
+    small = dict(archs=(90,), dtypes=("fp32",), shapes=[("odd", 6, 1000)], calls=["rms_norm"])
+    forward = inspector.run_inspector(**small, phases=("forward",))["rows"]
+    both = inspector.run_inspector(**small)["rows"]
+    assert forward and {r["phase"] for r in forward} == {"forward"}
+    assert {r["phase"] for r in both} == {"forward", "backward"}
+    assert [r for r in both if r["phase"] == "forward"] == forward
+    with pytest.raises(ValueError, match="phases"):
+        inspector.run_inspector(**small, phases=("fwd",))
+
+
+def test_units_come_back_in_order_whichever_child_ran_them(inspector_table):
+    """Two children share four units (each takes the next unclaimed one): the rows come
+    back in the units' order (architecture, then dtype), as one child gives them."""
+    small = dict(archs=(90, 75), dtypes=("fp32", "bf16"), shapes=[("odd", 6, 1000)],
+                 calls=["softmax"], phases=("forward",))
+    shared = inspector.run_inspector(**small, jobs=2)["rows"]
+    alone = inspector.run_inspector(**small, jobs=1)["rows"]
+    assert [(r["arch"], r["dtype"]) for r in shared] == \
+        [(a, d) for a in (90, 75) for d in ("fp32", "bf16")]
+    assert shared == alone
+
+
+def test_a_deadline_keeps_what_finished(monkeypatch):
+    """``partial=True`` past the timeout returns the finished units (none here: the
+    children are still importing torch after a second) and stops the children, instead
+    of raising; without ``partial`` the timeout raises."""
+    import subprocess
+
+    small = dict(archs=(90, 80), dtypes=("fp32",), shapes=[("odd", 6, 1000)],
+                 calls=["rms_norm"], timeout=0)
+    started = []
+    real = subprocess.Popen
+    monkeypatch.setattr(subprocess, "Popen",
+                        lambda *a, **k: started.append(real(*a, **k)) or started[-1])
+    out = inspector.run_inspector(**small, partial=True)
+    assert out["rows"] == [] and out["meta"]["units_not_finished"] == 2
+    assert started and all(p.poll() is not None for p in started)  # none left running
+    with pytest.raises(subprocess.TimeoutExpired):
+        inspector.run_inspector(**small)
+
+
+def test_a_variant_two_processes_need_is_compiled_once(monkeypatch, tmp_path):
+    """Two compilers asking for the same variant at once (a chapter's cell and the test
+    suite's table, both on a cold cache) compile it once: the second waits on the
+    variant's lock and reads the first's entry."""
+    import threading
+    import time
+
+    monkeypatch.setattr(inspector, "CACHE", tmp_path)
+    compiled = []
+
+    def slow_compile(*args):
+        compiled.append(args)
+        time.sleep(0.5)  # long enough for the other thread to arrive meanwhile
+        entry = {"registers": 40, "triton": __import__("triton").__version__}
+        (tmp_path / "0123.json").write_text(__import__("json").dumps(entry))
+        return entry
+
+    monkeypatch.setattr(inspector, "_compile", slow_compile)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(inspector._compile_and_read(
+        None, None, None, None, None, None, "0123"))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(compiled) == 1 and got[0] == got[1] and got[0]["registers"] == 40
