@@ -14,9 +14,27 @@ cancel, so its error is not relative to the result but to the size of the terms:
 So every element must satisfy |got − ref| ≤ u·|ref| + 1e-5·scale (+ 2**-24 for fp16).
 """
 
+import pytest
 import torch
 
-from conftest import UNIT_ROUNDOFF
+from conftest import LOW_PRECISION, UNIT_ROUNDOFF
+
+#: The (n, dtype) rows of the normalization backward tests. Every dtype at 1, 7, 1000 and 4097
+#: elements: a row in one block, and past the backward's single block (RMSNorm's 4,096
+#: elements, LayerNorm's 8 KiB: any dtype at 4097), so every dtype runs the column sweeps.
+#: The widest row, 262,147 elements, in fp32 only: what it adds (RMSNorm's forward split in two
+#: launches from 512 KiB, 257 column blocks of 1,024) depends on bytes and N, not on the dtype,
+#: and fp32 is the widest row in bytes. fp16 and bf16 run the looped forward of both norms at
+#: 33,001 instead (LayerNorm's forward holds a 2-byte row in one block up to 8,192 elements, so
+#: 4097 does not loop there). Measured here: fp16 and bf16 at 262,147 took 2 to 9 s each in
+#: the interpreter, a quarter of these files' time; 33,001 costs an eighth of that. The forward
+#: tests keep every dtype at 262,147, the split forward in fp16 and bf16 included.
+#: test_rms_norm_backward and test_layer_norm_backward check that these rows reach those paths.
+NORM_BACKWARD_CASES = [pytest.param(n, dt, id=f"{n}-{str(dt)[6:]}")
+                       for n in (1, 7, 1000, 4097) for dt in LOW_PRECISION] + [
+    pytest.param(262147, torch.float32, id="262147-float32"),
+    pytest.param(33001, torch.float16, id="33001-float16"),
+    pytest.param(33001, torch.bfloat16, id="33001-bfloat16")]
 
 FP32_SUM_RTOL = 1e-5
 

@@ -11,12 +11,11 @@ autograd of the unfused code also treats as the identity.
 import pytest
 import torch
 
-from backward_helpers import assert_grad_close
+from backward_helpers import NORM_BACKWARD_CASES, assert_grad_close
 from conftest import LOW_PRECISION, randn
 from kernels import fused_add_rms_norm
 from kernels import reference as ref
 
-SIZES = [1, 7, 1000, 4097, 262147]
 
 
 def rows_for(n):
@@ -56,8 +55,7 @@ def run_backward(x, r, w, dy, dh, eps=1e-6, **kw):
     return x.grad, r.grad, (None if w is None else w.grad), h.detach()
 
 
-@pytest.mark.parametrize("dtype", LOW_PRECISION)
-@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("n,dtype", NORM_BACKWARD_CASES)
 def test_gradients_match_autograd_of_reference(dtype, n, poison_empty):
     """dx, dr and dγ through both outputs; one-block rows and rows wider than a block."""
     m = rows_for(n)

@@ -14,13 +14,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backward_helpers import assert_grad_close
+from backward_helpers import NORM_BACKWARD_CASES, assert_grad_close
 from conftest import LOW_PRECISION, randn
 from kernels import layer_norm
 from kernels import reference as ref
 
 ln_mod = importlib.import_module("kernels.layer_norm")  # the module, not the function of the same name
-SIZES = [1, 7, 1000, 4097, 262147]
 
 
 def rows_for(n):
@@ -67,8 +66,7 @@ def check_all(got, x, w, b, dy, eps, dtype, w_dtype=None):
         assert got[2] is None
 
 
-@pytest.mark.parametrize("dtype", LOW_PRECISION)
-@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("n,dtype", NORM_BACKWARD_CASES)
 def test_gradients_match_autograd_of_reference(dtype, n, poison_empty):
     """dx, dγ, dβ for fp32/fp16/bf16, one-block rows and rows wider than a block (4097 fp32, 262147)."""
     m = rows_for(n)
@@ -234,3 +232,17 @@ def test_property_gradient_is_centered_and_orthogonal_to_xhat(m, n, shift, seed)
     per_element = 1e-5 * sx + 2.0**-24 * dxd.abs()
     assert bool((dxd.sum(-1).abs() <= 2 * per_element.sum(-1)).all())
     assert bool(((xhat * dxd).sum(-1).abs() <= 2 * ((1 + xhat.abs()) * per_element).sum(-1)).all())
+
+
+def test_the_backward_cases_reach_every_path():
+    """NORM_BACKWARD_CASES (backward_helpers) runs LayerNorm's paths in every dtype: the
+    one-kernel backward, the column sweeps, the looped forward (whose mean and rstd the
+    backward reads): 4097 in fp32, 33,001 in fp16 and bf16, 262,147 in fp32."""
+    rows = {(p.values[0], p.values[1]) for p in NORM_BACKWARD_CASES}
+    widest = {dt: max(n for n, d in rows if d == dt) for dt in LOW_PRECISION}
+    for dt in LOW_PRECISION:
+        size = torch.tensor([], dtype=dt).element_size()
+        assert ln_mod.backward_plan(5, 1000, size, 2, 2).cols is None and (1000, dt) in rows
+        assert ln_mod.backward_plan(5, 4097, size, 2, 2).cols is not None
+        assert not ln_mod.forward_config(widest[dt], size).SINGLE_BLOCK
+    assert ln_mod.forward_config(4097, 2).SINGLE_BLOCK and widest[torch.float16] == 33001

@@ -8,13 +8,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backward_helpers import assert_grad_close
+from backward_helpers import NORM_BACKWARD_CASES, assert_grad_close
 from conftest import LOW_PRECISION, randn
 from kernels import rms_norm
 from kernels import reference as ref
 
 rms_mod = importlib.import_module("kernels.rms_norm")  # the module, not the function of the same name
-SIZES = [1, 7, 1000, 4097, 262147]
 
 
 def rows_for(n):
@@ -43,8 +42,7 @@ def run_backward(x, w, dy, eps):
     return x.grad, (None if w is None else w.grad)
 
 
-@pytest.mark.parametrize("dtype", LOW_PRECISION)
-@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("n,dtype", NORM_BACKWARD_CASES)
 def test_gradients_match_autograd_of_reference(dtype, n, poison_empty):
     """dx and dγ for fp32/fp16/bf16, one-block rows and rows wider than a block (4097 fp32, 262147)."""
     x = randn(rows_for(n), n, dtype=dtype, scale=3.0)
@@ -217,3 +215,16 @@ def test_property_gradient_is_orthogonal_to_x_when_eps_is_zero(m, n, seed):
     dot = (dx.double() * x.double()).sum(-1).abs()
     size = x.double().norm(dim=-1) * dx.double().norm(dim=-1)
     assert bool((dot <= 1e-5 * size * n**0.5 + 1e-30).all())
+
+
+def test_the_backward_cases_reach_every_path():
+    """NORM_BACKWARD_CASES (backward_helpers) runs RMSNorm's paths: the single block, the
+    column sweeps in every dtype, the split forward (fp32 at 262,147)."""
+    from kernels._config import rms_config, rms_split
+
+    rows = {(p.values[0], p.values[1]) for p in NORM_BACKWARD_CASES}
+    for dt in LOW_PRECISION:
+        size = torch.tensor([], dtype=dt).element_size()
+        assert rms_config(1000, size, backward=True).SINGLE_BLOCK and (1000, dt) in rows
+        assert not rms_config(4097, size, backward=True).SINGLE_BLOCK and (4097, dt) in rows
+    assert rms_split(262147, 4) and (262147, torch.float32) in rows
