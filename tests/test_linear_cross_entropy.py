@@ -168,8 +168,12 @@ def test_strided_hidden_and_only_weight_requires_grad():
     w2 = w.detach().clone().requires_grad_()
     b = linear_cross_entropy(hs.contiguous(), w2, t)
     (dw2,) = torch.autograd.grad(b, w2)
-    # The BLAS may sum a strided operand in another order: equal to a few fp32 ulps.
-    assert torch.allclose(a, b, rtol=1e-6) and torch.allclose(dw, dw2, rtol=1e-5, atol=1e-8)
+    # The BLAS may sum a strided operand in another order: equal up to rounding. Elementwise
+    # that is not a few ulps of dW (an entry is a sum of M terms that may cancel: measured
+    # 4e-5 relatively in one run of many): normwise, as test_matches_float64 bounds
+    # each against float64, so the two differ by at most twice that bound.
+    assert torch.allclose(a, b, rtol=1e-6)
+    assert _normwise(on_cpu(dw), on_cpu(dw2).double()) <= 2 * 2 * (D + max(M, V)) * 2.0**-24
 
 
 def test_deterministic():
