@@ -5,11 +5,22 @@ import os
 import sys
 import uuid
 
-import pytest
-import torch
+# One compute thread per process (issue 21), set before torch starts its thread pool and
+# inherited by everything the run starts: the xdist workers, the chapters' Jupyter kernels,
+# the inspector's compilers, the tests' subprocesses. A run already has a process per core
+# (`-n auto`) besides its background steps, so a second thread each only oversubscribes the
+# cores: measured here on 2 cores, two processes running test_hf's training and generation
+# tests took 94 s with torch's default of one thread per core and 63 s with one (two
+# running the attention tests: 51 s and 46 s). An explicit OMP_NUM_THREADS is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import kernels  # noqa: F401  (sets TRITON_INTERPRET before any kernel is defined)
-from kernels import DEVICE
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case torch was imported first
+
+import kernels  # noqa: F401,E402  (sets TRITON_INTERPRET before any kernel is defined)
+from kernels import DEVICE  # noqa: E402
 
 # Unit roundoff u = 2**-(p) of each storage dtype: one correct rounding errs by at most u, relatively.
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float64: 2.0**-53}

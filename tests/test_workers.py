@@ -40,3 +40,17 @@ def test_an_xdist_group_runs_on_one_worker(tmp_path):
     grouped = {(out / f"grouped-{i}").read_text() for i in range(6)}
     assert len(grouped) == 1, f"one xdist group ran on {sorted(grouped)}: groups are ignored"
     assert all((out / f"free-{i}").exists() for i in range(6))
+
+
+def test_one_compute_thread_per_process_unless_asked():
+    """conftest.py: this worker, and a process it starts (a chapter's kernel, the inspector's
+    compiler), compute on OMP_NUM_THREADS threads, 1 unless the caller set it."""
+    import os
+
+    import torch
+
+    want = int(os.environ["OMP_NUM_THREADS"])
+    assert torch.get_num_threads() == want
+    child = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0 and int(child.stdout) == want

@@ -58,6 +58,10 @@ def main(argv=None) -> int:
     p.add_argument("--force", action="store_true", help="clear the cache and execute every chapter")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     a = p.parse_args(argv)
+    if a.jobs > 1:
+        # A kernel per core already: one compute thread each, not one per core each (which
+        # only oversubscribes the cores; see tests/conftest.py). The kernels inherit it.
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     import nbformat
     from jupyter_cache import get_cache
