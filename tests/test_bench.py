@@ -142,11 +142,16 @@ def test_smoke_never_writes_into_the_data_folder():
         bench.main(["--smoke", "--out", str(bench.DATA_DIR)], log=lambda *_: None)
 
 
-def test_bad_options_are_refused():
+def test_bad_options_are_refused(monkeypatch, tmp_path):
+    """... before anything is made: a refused smoke run leaves no folder behind."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     with pytest.raises(SystemExit, match="unknown case"):
         bench.main(["--smoke", "--cases", "nope.forward"], log=lambda *_: None)
     with pytest.raises(SystemExit, match="unknown provider"):
         bench.main(["--smoke", "--providers", "cublas"], log=lambda *_: None)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_loader_ignores_smoke_runs_and_reads_gpu_runs(smoke, tmp_path):

@@ -451,8 +451,8 @@ def main(argv: list[str] | None = None, log=print) -> dict:
         if out is not None and out.resolve() == DATA_DIR.resolve():
             raise SystemExit(f"--smoke never writes into {DATA_DIR}: that folder holds "
                              "GPU results only.")
-        out = out or pathlib.Path(tempfile.mkdtemp(prefix="bench-smoke-"))
-    out = out or DATA_DIR
+    elif out is None:
+        out = DATA_DIR
 
     start = time.monotonic()
     names = [c.name for c in CASES]
@@ -481,6 +481,8 @@ def main(argv: list[str] | None = None, log=print) -> dict:
     dtype = default_dtype()
     timer = timing.time_ms if on_gpu else wall_time_ms
     copy_bytes = int((args.copy_mb or (1 if args.smoke else 256)) * 2**20)
+    if out is None:  # a smoke run's own folder, made once the arguments are known to be good
+        out = pathlib.Path(tempfile.mkdtemp(prefix="bench-smoke-"))
 
     prov = provenance(argv, args.smoke, dtype)
     prov.update({"sizes": sizes, "elements_per_tensor": elements,
