@@ -481,7 +481,7 @@ def main(argv: list[str] | None = None, log=print) -> dict:
     dtype = default_dtype()
     timer = timing.time_ms if on_gpu else wall_time_ms
     copy_bytes = int((args.copy_mb or (1 if args.smoke else 256)) * 2**20)
-    if out is None:  # a smoke run's own folder, made once the arguments are known to be good
+    if out is None:  # a smoke run's own folder, once the arguments are known good
         out = pathlib.Path(tempfile.mkdtemp(prefix="bench-smoke-"))
 
     prov = provenance(argv, args.smoke, dtype)
