@@ -26,8 +26,10 @@ law asks for to sustain the GPU's bandwidth: ``bytes in flight = bandwidth × la
 source. The last column, ``predicted``, is a *model* (min(1, in-flight / needed) × wave
 efficiency), not a measurement.
 
-Faking CUDA changes torch for the whole process, so the work runs in a child process
-(:func:`inspect_variants` starts one; ``python -m kernels.inspect`` too). Results of a
+Faking CUDA changes torch for the whole process, so the work runs in child processes,
+at most one per core, which share the (architecture, dtype) units between them
+(:func:`run_inspector`; :func:`inspect_variants` and ``python -m kernels.inspect`` call
+it). Results of a
 compiled variant are cached on disk (``KERNELS_INSPECT_CACHE``, default
 ``~/.cache/kernels-inspect``), keyed by Triton's version, the kernel's source hash, its
 specialization, options and target.
@@ -379,7 +381,7 @@ def _compile_and_read(fn, signature, constexprs, attrs, options, target,
         return cached
     # Two processes that need the same variant at once (a chapter's inspector cell and
     # the test suite's, both cold) compile it once: the second waits for the first's
-    # entry.
+    # entry. (A variant that fails to compile is not cached: each compiles it again.)
     # One lock per first two hex digits of the key: 256 small files, and two different
     # variants rarely wait for each other with a few compilers running.
     with _compile_lock(key):
@@ -406,11 +408,16 @@ def _compile_lock(key: str):
 
     CACHE.mkdir(parents=True, exist_ok=True)
     with open(CACHE / f"compile-{key[:2]}.lock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)  # released when the holder exits, however it does
+        try:  # released when the holder exits, however it does
+            fcntl.flock(f, fcntl.LOCK_EX)
+            locked = True
+        except OSError:  # a file system without flock (a network one): compile anyway
+            locked = False
         try:
             yield
         finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            if locked:
+                fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _compile(fn, signature, constexprs, attrs, options, target, path) -> dict:
@@ -801,6 +808,9 @@ def run_inspector(archs=(90,), dtypes=DTYPES, shapes="all", calls=None,
                                                        n in sh)
 
     archs = [archs] if isinstance(archs, int) else list(archs)
+    unknown = [a for a in archs if a not in GPUS]
+    if unknown:
+        raise ValueError(f"archs: {unknown} unknown; choose from {sorted(GPUS)}")
     phases = [phases] if isinstance(phases, str) else list(phases)
     if not phases or not set(phases) <= {"forward", "backward"}:
         raise ValueError(f"phases must be 'forward', 'backward' or both, "
@@ -822,6 +832,8 @@ def run_inspector(archs=(90,), dtypes=DTYPES, shapes="all", calls=None,
         units = [(i, arch, dt, ",".join(c), sh) for i, (arch, dt, c, sh)
                  in enumerate((arch, dt, c, sh) for arch in archs for dt in dtypes
                               for c, sh in work)]
+        if not units:  # no architecture or no dtype asked for: nothing to compile
+            return {"meta": {}, "rows": []}
         jobs = max(1, min(len(units), jobs or os.cpu_count() or 1))
         listing = pathlib.Path(tmp) / "units.json"
         listing.write_text(json.dumps(units))
@@ -835,18 +847,21 @@ def run_inspector(archs=(90,), dtypes=DTYPES, shapes="all", calls=None,
                     children.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
                                                      stderr=log, env=_child_env(),
                                                      cwd=ROOT))
-            deadline = time.monotonic() + timeout
-            for j, proc in enumerate(children):
-                try:
-                    proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
+            deadline = time.monotonic() + max(1.0, timeout)
+            while True:  # every child watched at once: the first to fail stops the run
+                codes = [proc.poll() for proc in children]
+                for j, code in enumerate(codes):
+                    if code not in (None, 0):
+                        err = (pathlib.Path(tmp) / f"child{j}.log").read_text()
+                        raise RuntimeError(f"kernels.inspect child failed ({code}):\n"
+                                           f"{err[-4000:]}")
+                if all(code == 0 for code in codes):
+                    break
+                if time.monotonic() > deadline:
                     if not partial:
-                        raise
+                        raise subprocess.TimeoutExpired(cmd[:3], timeout)
                     break  # out of time (the GPU day's budget): keep the finished units
-                if proc.returncode != 0:
-                    err = (pathlib.Path(tmp) / f"child{j}.log").read_text()
-                    raise RuntimeError(f"kernels.inspect child failed "
-                                       f"({proc.returncode}):\n{err[-4000:]}")
+                time.sleep(0.1)
         finally:
             for proc in children:
                 if proc.poll() is None:

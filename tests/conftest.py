@@ -11,13 +11,16 @@ import uuid
 # (`-n auto`) besides its background steps, so a second thread each only oversubscribes the
 # cores: measured here on 2 cores, two processes running test_hf's training and generation
 # tests took 94 s with torch's default of one thread per core and 63 s with one (two
-# running the attention tests: 51 s and 46 s). An explicit OMP_NUM_THREADS is kept.
+# running the attention tests: 51 s and 46 s). A run without workers too: the chapters'
+# kernels and the inspector's compilers run beside it. An explicit OMP_NUM_THREADS is kept.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+#: The threads each process computes on (OpenMP's "4,2" form: the first level counts).
+COMPUTE_THREADS = int(os.environ["OMP_NUM_THREADS"].split(",")[0])
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case torch was imported first
+torch.set_num_threads(COMPUTE_THREADS)  # in case torch was imported first
 
 import kernels  # noqa: F401,E402  (sets TRITON_INTERPRET before any kernel is defined)
 from kernels import DEVICE  # noqa: E402

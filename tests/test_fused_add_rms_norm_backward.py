@@ -12,10 +12,9 @@ import pytest
 import torch
 
 from backward_helpers import NORM_BACKWARD_CASES, assert_grad_close
-from conftest import LOW_PRECISION, randn
+from conftest import randn
 from kernels import fused_add_rms_norm
 from kernels import reference as ref
-
 
 
 def rows_for(n):

@@ -248,9 +248,9 @@ def test_command_line_prints_the_table(inspector_table, tmp_path):
 
 
 def test_phases_choose_what_is_compiled(inspector_table):
-    """``phases=("forward",)`` inspects no backward launch (the online_softmax chapter's
-    cell, which shows the forward only); both phases give the backward's kernels too; a
-    misspelt phase is refused before any child starts. Cached by the table's run."""
+    """``phases=("forward",)`` inspects no backward launch; both phases give the backward's
+    kernels too; a misspelt phase or an unknown architecture is refused before any child
+    starts. Cached by the table's run."""
     small = dict(archs=(90,), dtypes=("fp32",), shapes=[("odd", 6, 1000)], calls=["rms_norm"])
     forward = inspector.run_inspector(**small, phases=("forward",))["rows"]
     both = inspector.run_inspector(**small)["rows"]
@@ -259,11 +259,14 @@ def test_phases_choose_what_is_compiled(inspector_table):
     assert [r for r in both if r["phase"] == "forward"] == forward
     with pytest.raises(ValueError, match="phases"):
         inspector.run_inspector(**small, phases=("fwd",))
+    with pytest.raises(ValueError, match="archs"):
+        inspector.run_inspector(**{**small, "archs": (90, 86)})
 
 
 def test_units_come_back_in_order_whichever_child_ran_them(inspector_table):
     """Two children share four units (each takes the next unclaimed one): the rows come
-    back in the units' order (architecture, then dtype), as one child gives them."""
+    back in the units' order (architecture, then dtype), as one child gives them. An
+    empty request starts no child."""
     small = dict(archs=(90, 75), dtypes=("fp32", "bf16"), shapes=[("odd", 6, 1000)],
                  calls=["softmax"], phases=("forward",))
     shared = inspector.run_inspector(**small, jobs=2)["rows"]
@@ -271,6 +274,7 @@ def test_units_come_back_in_order_whichever_child_ran_them(inspector_table):
     assert [(r["arch"], r["dtype"]) for r in shared] == \
         [(a, d) for a in (90, 75) for d in ("fp32", "bf16")]
     assert shared == alone
+    assert inspector.run_inspector(archs=(), dtypes=("fp32",)) == {"meta": {}, "rows": []}
 
 
 def test_a_deadline_keeps_what_finished(monkeypatch):
@@ -286,7 +290,9 @@ def test_a_deadline_keeps_what_finished(monkeypatch):
     monkeypatch.setattr(subprocess, "Popen",
                         lambda *a, **k: started.append(real(*a, **k)) or started[-1])
     out = inspector.run_inspector(**small, partial=True)
-    assert out["rows"] == [] and out["meta"]["units_not_finished"] == 2
+    # a unit that finished within the second (a warm cache, a fast machine) comes back whole
+    finished = {r["arch"] for r in out["rows"]}
+    assert out["meta"].get("units_not_finished", 0) + len(finished) == 2
     assert started and all(p.poll() is not None for p in started)  # none left running
     with pytest.raises(subprocess.TimeoutExpired):
         inspector.run_inspector(**small)
@@ -295,7 +301,8 @@ def test_a_deadline_keeps_what_finished(monkeypatch):
 def test_a_variant_two_processes_need_is_compiled_once(monkeypatch, tmp_path):
     """Two compilers asking for the same variant at once (a chapter's cell and the test
     suite's table, both on a cold cache) compile it once: the second waits on the
-    variant's lock and reads the first's entry."""
+    variant's lock and reads the first's entry. Two threads stand for the two processes:
+    an flock belongs to an open file, so two opens exclude each other in one process too."""
     import threading
     import time
 
@@ -318,3 +325,18 @@ def test_a_variant_two_processes_need_is_compiled_once(monkeypatch, tmp_path):
     for t in threads:
         t.join()
     assert len(compiled) == 1 and got[0] == got[1] and got[0]["registers"] == 40
+
+
+def test_a_failing_child_fails_the_run(monkeypatch, tmp_path):
+    """A child that dies (here: its cache folder is a file, so its first compile fails) fails
+    the run with the child's error, with ``partial`` too: a deadline keeps unfinished units,
+    never a crash counted as one."""
+    blocker = tmp_path / "cache"
+    blocker.write_text("")
+    real = inspector._child_env
+    monkeypatch.setattr(inspector, "_child_env",
+                        lambda: {**real(), "KERNELS_INSPECT_CACHE": str(blocker)})
+    for partial in (False, True):
+        with pytest.raises(RuntimeError, match="child failed"):
+            inspector.run_inspector(archs=(90,), dtypes=("fp32",), shapes=[("odd", 6, 1000)],
+                                    calls=["rms_norm"], timeout=600, partial=partial)

@@ -44,7 +44,8 @@ def run_backward(x, w, dy, eps):
 
 @pytest.mark.parametrize("n,dtype", NORM_BACKWARD_CASES)
 def test_gradients_match_autograd_of_reference(dtype, n, poison_empty):
-    """dx and dγ for fp32/fp16/bf16, one-block rows and rows wider than a block (4097 fp32, 262147)."""
+    """dx and dγ for fp32/fp16/bf16, one-block rows and rows wider than a block (4097 in every
+    dtype; 262147 in fp32, 33001 in fp16 and bf16: NORM_BACKWARD_CASES)."""
     x = randn(rows_for(n), n, dtype=dtype, scale=3.0)
     w = randn(n, dtype=dtype)
     dy = randn(rows_for(n), n, dtype=dtype)
@@ -219,7 +220,8 @@ def test_property_gradient_is_orthogonal_to_x_when_eps_is_zero(m, n, seed):
 
 def test_the_backward_cases_reach_every_path():
     """NORM_BACKWARD_CASES (backward_helpers) runs RMSNorm's paths: the single block, the
-    column sweeps in every dtype, the split forward (fp32 at 262,147)."""
+    column sweeps in every dtype, the split forward (fp32 at 262,147), the looped forward
+    (fp16 and bf16 at 33,001)."""
     from kernels._config import rms_config, rms_split
 
     rows = {(p.values[0], p.values[1]) for p in NORM_BACKWARD_CASES}
@@ -228,3 +230,6 @@ def test_the_backward_cases_reach_every_path():
         assert rms_config(1000, size, backward=True).SINGLE_BLOCK and (1000, dt) in rows
         assert not rms_config(4097, size, backward=True).SINGLE_BLOCK and (4097, dt) in rows
     assert rms_split(262147, 4) and (262147, torch.float32) in rows
+    for dt in (torch.float16, torch.bfloat16):  # their widest row: looped, not split
+        assert (33001, dt) in rows and not rms_config(33001, 2).SINGLE_BLOCK
+        assert not rms_split(33001, 2)
