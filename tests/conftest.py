@@ -210,6 +210,8 @@ def _quick_excluded(item) -> bool:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "xdist_group(name): tests that pytest-xdist keeps on one worker")
+    config.addinivalue_line("markers", "changes_page: a browser test that changes its shared page "
+                                       "(runs after the page's other tests; test_html.py)")
     if not hasattr(config, "workerinput"):  # the controller (or a run without workers; a pytest
         # that a test starts inherits $PYTEST_XDIST_WORKER, so the environment cannot tell)
         import run_once

@@ -47,7 +47,8 @@ def block_non_local(page, server):
 # one page share its load at each viewport width: conftest.py keeps a page's tests together (one
 # xdist worker, adjacent), and the last KEEP loads stay open. The light and dark themes differ
 # only in CSS keyed on <html data-theme> (no script reads the theme), so test_pages.py switches
-# the theme in place. A test that changes the page (clicks, moves a slider) asks for fresh=True.
+# the theme in place. A test that changes the page (moves a slider) is marked changes_page: it
+# runs after every other test of its page (browser_order) and then discards the load.
 KEEP = 2  # a page at both widths
 _LOADED: collections.OrderedDict = collections.OrderedDict()
 
@@ -101,6 +102,13 @@ def load_page(browser, server, page_path, width=1366, fresh=False):
     return _LOADED[key]
 
 
+def discard(browser, server, page_path, width=1366) -> None:
+    """Close a shared load that a test has changed, so that no later test reads it."""
+    kept = _LOADED.pop((id(browser), server, page_path, width), None)
+    if kept is not None:
+        kept[0]._page.context.close()
+
+
 def browser_order(item):
     """conftest.py's sort key for a browser test: its page (and an xdist group per page)."""
     page = getattr(item, "callspec", None) and item.callspec.params.get("page_path")
@@ -108,7 +116,7 @@ def browser_order(item):
         return ("",)
     if not item.get_closest_marker("xdist_group"):
         item.add_marker(pytest.mark.xdist_group(f"page-{page}"))
-    return (page,)
+    return (page, item.get_closest_marker("changes_page") is not None)
 
 
 def open_page(browser, server, page_path):

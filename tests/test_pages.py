@@ -21,7 +21,7 @@ from book_build import ROOT
 import page_checks
 from page_checks import (CONTRAST_JS, EQUATIONS_JS, FIGURE_TEXT_JS, FIGURES_LOOK_JS, PAGE_WIDTH_JS,
                          SCROLLING_CODE_JS, set_theme_script)
-from test_html import CHROMIUM, NOTEBOOK_PAGES, PAGES, block_non_local, load_page
+from test_html import CHROMIUM, NOTEBOOK_PAGES, PAGES, discard, load_page
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Chromium not installed (apt-get install chromium)")
 
@@ -30,22 +30,13 @@ MIN_FIGURE_TEXT_PX = 9.0
 VIEWS = [(390, "light"), (390, "dark"), (1366, "light"), (1366, "dark")]
 
 
-def open_view(browser, server, page_path, width=1366, theme="light", downloads=False, fresh=False):  # noqa: F811
+def open_view(browser, server, page_path, width=1366, theme="light"):  # noqa: F811
     """A page at a viewport width and theme; every non-local request is blocked and recorded.
     Shared with the other tests of that page and width (test_html.load_page): the theme is
-    switched in place. A test that changes the page asks for ``fresh=True``."""
-    if fresh:  # its own page, loaded in the theme from the start (scripts that read it on load)
-        context = browser.new_context(viewport={"width": width, "height": 900},
-                                      accept_downloads=downloads)
-        context.add_init_script(set_theme_script(theme))
-        page = context.new_page()
-        blocked = block_non_local(page, server)
-        response = page.goto(f"{server}/{page_path}.html", wait_until="load")
-        assert response is not None and response.ok
-        page.wait_for_timeout(300)  # the page's own scripts (scroll cues, figures) have run
-    else:
-        page, _, blocked = load_page(browser, server, page_path, width)
-        page.evaluate(f"() => {{ {set_theme_script(theme)} }}")
+    switched in place. A test that changes the page is marked ``changes_page`` and discards
+    the load when it is done (test_html.discard)."""
+    page, _, blocked = load_page(browser, server, page_path, width)
+    page.evaluate(f"() => {{ {set_theme_script(theme)} }}")
     assert page.evaluate("document.documentElement.dataset.theme") == theme
     return page, blocked
 
@@ -255,9 +246,10 @@ def interactive_pages():
     return [p for p in NOTEBOOK_PAGES if "interactive_figure(" in (ROOT / f"{p}.ipynb").read_text()]
 
 
+@pytest.mark.changes_page  # it moves sliders: after the page's other tests, then discarded
 @pytest.mark.parametrize("page_path", interactive_pages())
 def test_interactive_figures_work_offline_and_their_sliders_move_the_data(browser, server, page_path):  # noqa: F811
-    page, blocked = open_view(browser, server, page_path, 390, fresh=True)  # it moves sliders
+    page, blocked = open_view(browser, server, page_path, 390)
     try:
         figs = page.locator("main .plotly-graph-div")
         if figs.count() == 0:
@@ -285,4 +277,27 @@ def test_interactive_figures_work_offline_and_their_sliders_move_the_data(browse
         page.wait_for_timeout(500)
         assert not blocked, f"{page_path}: requests left the page: {blocked}"
     finally:
-        page.context.close()
+        discard(browser, server, page_path, 390)
+
+
+def test_a_test_that_changes_its_page_runs_after_the_pages_other_tests():
+    """The sort key of conftest.py (test_html.browser_order): a changes_page test, collected
+    first, runs after the other tests of its page, before the next page. Its shared load is
+    discarded afterwards; run earlier, it would hand the next test of its page moved sliders
+    (or cost it a fresh load)."""
+    import types
+
+    import test_html
+
+    def item(page, changes=False):
+        marks = {"changes_page": pytest.mark.changes_page.mark} if changes else {}
+        it = types.SimpleNamespace(callspec=types.SimpleNamespace(params={"page_path": page}),
+                                   fixturenames=["browser", "page_path"], name=page)
+        it.get_closest_marker = lambda name: marks.get(name)
+        it.add_marker = lambda mark: marks.setdefault(mark.name, mark)
+        return it
+
+    moves, other, next_page = item("book/a", True), item("book/a"), item("book/b")
+    order = sorted([moves, other, next_page], key=test_html.browser_order)
+    assert order == [other, moves, next_page]
+    assert moves.get_closest_marker("xdist_group").args == ("page-book/a",)
