@@ -303,28 +303,44 @@ _COUNTS, _TOTAL, _MASSES, _DRAW = (tl.constexpr(v)
 SAMPLE_SPLIT_MIN_N = 8 * SAMPLE_TILE
 
 
+# A launch's programs merge the tiles' partials MERGE_GROUP at a time: the group's loads
+# issue together, and the tile count is an argument, not a constexpr. Unrolled over every
+# tile (as it was), a row of 64 tiles took 2.0 s to compile per variant, most of it in
+# Triton's GPU-IR passes over the 64 loads (measured on a CPU, triton 3.9), against 0.5 s
+# at 8 tiles, and every vocabulary size compiled variants of its own. We expect the cost
+# on a GPU to be one L2 round trip per group (3 for Qwen3's 38 tiles, instead of 1), not
+# measured: no GPU was at hand.
+MERGE_GROUP = 16
+_MERGE_GROUP = tl.constexpr(MERGE_GROUP)
+
+
 @triton.jit
-def _merged(Part, rows, fan, N_CHUNKS: tl.constexpr, DT: tl.constexpr):
-    """Sum of a row's N_CHUNKS partial vectors (FANOUT each), in tile order: the order
-    in which _search's loop adds its tiles. Unrolled, so the loads issue together."""
+def _merged(Part, rows, fan, n_chunks, DT: tl.constexpr):
+    """Sum of a row's n_chunks partial vectors (FANOUT each), in tile order: the order
+    in which _search's loop adds its tiles. Past the last tile the loads give 0, and
+    x + 0 is x (the partials are counts, and masses >= 0): the same sum, bit for bit."""
     acc = tl.zeros([1, _FANOUT], DT)
-    for c in tl.static_range(N_CHUNKS):
-        acc = acc + tl.load(Part + (rows[:, None] * N_CHUNKS + c) * _FANOUT
-                            + fan[None, :])
+    row_part = Part + rows[:, None] * n_chunks * _FANOUT + fan[None, :]
+    for g in range(0, n_chunks, _MERGE_GROUP):
+        for u in tl.static_range(_MERGE_GROUP):
+            c = g + u
+            inside = tl.full([1, _FANOUT], c, tl.int32) < n_chunks
+            acc = acc + tl.load(row_part + c * _FANOUT, mask=inside, other=0)
     return acc
 
 
 @triton.jit
 def _sample_split_kernel(
     X, Rowmax,
-    PartIn, PartOut,               # (M, N_CHUNKS, FANOUT) int32 counts or fp32 masses
+    PartIn, PartOut,               # (M, n_chunks, FANOUT) int32 counts or fp32 masses
     LoIn, LoOut, TauIn, TauOut, TargetIn, TargetOut,  # each row's state, (M,)
-    Best, BestIdx,                 # (M, N_CHUNKS): each tile's best score and index
+    Best, BestIdx,                 # (M, n_chunks): each tile's best score and index
     # (the buffers are flat: only X is a row of the call's)
     stride_x, M, N, seed, inv_temp, top_k, top_p, log_min_p,
+    n_chunks,                      # tiles per row
     merge_pass, produce_pass,      # the search passes merged and produced
     MERGE: tl.constexpr, PRODUCE: tl.constexpr, GREEDY: tl.constexpr,
-    HAS_MIN_P: tl.constexpr, N_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_MIN_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     rows = tl.program_id(0) + tl.arange(0, 1)
     chunk = tl.program_id(1)
@@ -337,10 +353,10 @@ def _sample_split_kernel(
     # Every program of a row merges the same values in the same order: the same state.
     if MERGE == _COUNTS or MERGE == _MASSES:
         if MERGE == _COUNTS:
-            acc = _merged(PartIn, rows, fan, N_CHUNKS, tl.int32)
+            acc = _merged(PartIn, rows, fan, n_chunks, tl.int32)
             ok = acc >= top_k
         else:
-            acc = _merged(PartIn, rows, fan, N_CHUNKS, tl.float32)
+            acc = _merged(PartIn, rows, fan, n_chunks, tl.float32)
             ok = acc >= target[:, None]
         step = tl.full([], 1, tl.int32) << tl.maximum(
             31 - _SEARCH_BITS * (merge_pass + 1), 0)
@@ -352,7 +368,7 @@ def _sample_split_kernel(
         tau = tl.where(done, lo, tau)
         lo = tl.where(done, _KEY_LO, lo)
     if MERGE == _TOTAL:
-        total = _merged(PartIn, rows, fan, N_CHUNKS, tl.float32)
+        total = _merged(PartIn, rows, fan, n_chunks, tl.float32)
         target = top_p * tl.sum(tl.where(fan[None, :] == 0, total, 0.0), axis=1)
     if PRODUCE == _DRAW and HAS_MIN_P:
         tau = tl.maximum(tau, _order_key(tl.full([1], log_min_p, tl.float32)))
@@ -365,7 +381,7 @@ def _sample_split_kernel(
     x_rows = X + rows[:, None] * stride_x
     cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
     key = _tile(X, x_rows, row_mask, cols, N, rowmax, inv_temp)
-    part_at = PartOut + (rows[:, None] * N_CHUNKS + chunk) * _FANOUT + fan[None, :]
+    part_at = PartOut + (rows[:, None] * n_chunks + chunk) * _FANOUT + fan[None, :]
     if PRODUCE == _COUNTS or PRODUCE == _MASSES:
         # One tile's share of _search's pass: the same sums, from zero.
         step = tl.full([], 1, tl.int32) << tl.maximum(
@@ -389,25 +405,28 @@ def _sample_split_kernel(
         tl.store(part_at, tl.where(fan[None, :] == 0, total[:, None], 0.0))
     if PRODUCE == _DRAW:
         score = _scores(key, tau, rows, cols, N, seed, GREEDY)
-        tl.store(Best + rows * N_CHUNKS + chunk, tl.max(score, axis=1))
+        tl.store(Best + rows * n_chunks + chunk, tl.max(score, axis=1))
         blk_idx = tl.argmax(score, axis=1, tie_break_left=True).to(tl.int64)
-        tl.store(BestIdx + rows * N_CHUNKS + chunk, blk_idx + chunk * BLOCK_N)
+        tl.store(BestIdx + rows * n_chunks + chunk, blk_idx + chunk * BLOCK_N)
 
 
 @triton.jit
-def _sample_split_argmax_kernel(Best, BestIdx, TauIn, Out, Tau,
-                                N_CHUNKS: tl.constexpr):
+def _sample_split_argmax_kernel(Best, BestIdx, TauIn, Out, Tau, n_chunks):
     """The draw's merge, per row: the best tile in tile order, the earlier on a tie
-    (strictly greater wins, as in _sample_kernel's loop)."""
+    (strictly greater wins, as in _sample_kernel's loop; past the last tile the loads
+    give -inf, which never wins)."""
     row = tl.program_id(0).to(tl.int64)
     best = tl.full([], float("-inf"), tl.float32)
     best_idx = tl.zeros([], tl.int64)
-    for c in tl.static_range(N_CHUNKS):
-        score = tl.load(Best + row * N_CHUNKS + c)
-        idx = tl.load(BestIdx + row * N_CHUNKS + c)
-        better = score > best
-        best_idx = tl.where(better, idx, best_idx)
-        best = tl.where(better, score, best)
+    for g in range(0, n_chunks, _MERGE_GROUP):
+        for u in tl.static_range(_MERGE_GROUP):
+            c = g + u
+            inside = tl.full([], c, tl.int32) < n_chunks
+            score = tl.load(Best + row * n_chunks + c, mask=inside, other=float("-inf"))
+            idx = tl.load(BestIdx + row * n_chunks + c, mask=inside, other=0)
+            better = score > best
+            best_idx = tl.where(better, idx, best_idx)
+            best = tl.where(better, score, best)
     tl.store(Out + row, best_idx)
     tl.store(Tau + row, tl.load(TauIn + row))
 
@@ -461,15 +480,14 @@ def _forward_split(x2d, rowmax, seed, inv_temp, top_k, top_p, log_min_p, *, gree
             part_out = counts[b] if produce == COUNTS else masses[b]
             _sample_split_kernel[(M, chunks)](
                 x2d, rowmax, part_in, part_out, lo[a], lo[b], tau[a], tau[b],
-                target[a], target[b], best, best_idx, *scalars,
+                target[a], target[b], best, best_idx, *scalars, chunks,
                 merge_pass, produce_pass,
                 MERGE=merge, PRODUCE=produce, GREEDY=greedy,
-                HAS_MIN_P=log_min_p is not None, N_CHUNKS=chunks, BLOCK_N=block_n,
+                HAS_MIN_P=log_min_p is not None, BLOCK_N=block_n,
                 num_warps=num_warps, **LAUNCH,
             )
         _sample_split_argmax_kernel[(M,)](best, best_idx, tau[len(steps) % 2], out,
-                                          tau_out, N_CHUNKS=chunks, num_warps=1,
-                                          **LAUNCH)
+                                          tau_out, chunks, num_warps=1, **LAUNCH)
     return out, tau_out
 
 

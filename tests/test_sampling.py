@@ -425,6 +425,27 @@ def test_split_greedy_ties_across_tiles_go_to_the_first():
         assert torch.equal(out, sampling._launch(*args, block_n=32, split=False)[0])
 
 
+def test_split_rows_merge_more_tiles_than_one_group():
+    """Past MERGE_GROUP tiles a launch merges group after group (the tile count is an
+    argument, not a constexpr): 18 tiles of 16 keys, two groups, the second one partial
+    and its last tile too. The merged counts (top-k's nine launches: the interpreter runs
+    18 programs each), the threshold and the token equal the single program's, bit for bit
+    (totals and masses go through the same _merged: test_split_rows_draw_what_one_program
+    _draws). Greedy, the maximum in tile 17 alone is found there, and one in tiles 1 and 17
+    (a group apart) goes to tile 1, as in the loop."""
+    assert sampling.MERGE_GROUP < 18 <= 2 * sampling.MERGE_GROUP
+    x = (logits_row(16 * 17 + 5, seed=8, scale=2.0) - 1.0)[None].to(DEVICE)
+    args = (x, x.amax(-1), 0.8, 9, None, None, 5)
+    one = sampling._launch(*args, block_n=16, split=False)
+    split = sampling._launch(*args, block_n=16, split=True)
+    assert torch.equal(one[0], split[0]) and torch.equal(one[1], split[1])
+    for at, want in (([16 * 17 + 3], 16 * 17 + 3), ([20, 16 * 17 + 3], 20)):
+        peaked = x.clamp(max=1.0)
+        peaked[0, at] = 4.0  # the maximum in the last group only, then also in the first
+        args = (peaked, peaked.amax(-1), 0.0, None, None, None, 3)
+        assert sampling._launch(*args, block_n=16, split=True)[0].item() == want, at
+
+
 def test_split_row_does_not_depend_on_its_batch():
     """The split path's grid is (rows, tiles) and a row's programs read only their row's
     partial sums: row x1's top-p threshold is the same alone and after x0, and its draw the
