@@ -14,6 +14,9 @@ conftest.py starts at collection (run_once.py), and these tests run last: the ke
 the cores meanwhile, and every xdist worker reads the same table.
 """
 
+import json
+import os
+
 import pytest
 
 import run_once
@@ -232,7 +235,6 @@ def test_ptx_reader_traces_addresses_to_arguments():
 
 def test_command_line_prints_the_table(inspector_table, tmp_path):
     """``python -m kernels.inspect`` end to end on one small call (cached by the table's run)."""
-    import json
     import subprocess
     import sys
 
@@ -340,3 +342,16 @@ def test_a_failing_child_fails_the_run(monkeypatch, tmp_path):
         with pytest.raises(RuntimeError, match="child failed"):
             inspector.run_inspector(archs=(90,), dtypes=("fp32",), shapes=[("odd", 6, 1000)],
                                     calls=["rms_norm"], timeout=600, partial=partial)
+
+
+def test_a_cache_hit_refreshes_the_entrys_time(tmp_path):
+    """The test workflow keeps the cache between CI runs and drops the entries that a run
+    did not read (.github/workflows/test.yml): a hit must mark its entry as read."""
+    entry = tmp_path / "k.json"
+    entry.write_text(json.dumps({"triton": "3.0", "registers": 7}))
+    os.utime(entry, (1_000_000, 1_000_000))
+    assert inspector._cached(entry, "3.0") == {"triton": "3.0", "registers": 7}
+    assert entry.stat().st_mtime > 1_000_000
+    os.utime(entry, (1_000_000, 1_000_000))
+    assert inspector._cached(entry, "3.1") is None  # another Triton's: not a hit
+    assert entry.stat().st_mtime == 1_000_000
