@@ -303,13 +303,13 @@ _COUNTS, _TOTAL, _MASSES, _DRAW = (tl.constexpr(v)
 SAMPLE_SPLIT_MIN_N = 8 * SAMPLE_TILE
 
 
-# A launch's programs merge the tiles' partials MERGE_GROUP at a time: the group's loads
-# issue together, and the tile count is an argument, not a constexpr. Unrolled over every
-# tile (as it was), a row of 64 tiles took 2.0 s to compile per variant, most of it in
-# Triton's GPU-IR passes over the 64 loads (measured on a CPU, triton 3.9), against 0.5 s
-# at 8 tiles, and every vocabulary size compiled variants of its own. We expect the cost
-# on a GPU to be one L2 round trip per group (3 for Qwen3's 38 tiles, instead of 1), not
-# measured: no GPU was at hand.
+# A launch's programs merge the tiles' partials MERGE_GROUP at a time: the group's
+# loads issue together, and the tile count is an argument, not a constexpr. Unrolled
+# over every tile (as it was), a row of 64 tiles took 2.0 s to compile per variant,
+# most of it in Triton's GPU-IR passes over the 64 loads (measured on a CPU, triton
+# 3.9), against 0.5 s at 8 tiles, and every vocabulary size compiled variants of its
+# own. We expect the cost on a GPU to be one L2 round trip per group (3 for Qwen3's 38
+# tiles, instead of 1), not measured: no GPU was at hand.
 MERGE_GROUP = 16
 _MERGE_GROUP = tl.constexpr(MERGE_GROUP)
 
