@@ -356,7 +356,10 @@ def test_adamw_20_steps_loss_within_bound_at_every_step(build):
             losses[name].append(loss.item())
     a, b = torch.tensor(losses["kernels"]), torch.tensor(losses["transformers"])
     c = torch.tensor(losses["control"])
-    assert float(b[-1]) < 0.1 * float(b[0])  # it trains
+    # It trains, so the gap below is not that of two idle runs. Half, not a tenth: over 8
+    # fresh draws (random weights and tokens each) transformers' own Llama ended at 0.002 to
+    # 0.145 of its first loss, Qwen3 at 0.001 to 0.005; a tenth failed one Llama draw in 8.
+    assert float(b[-1]) < 0.5 * float(b[0])
     k = torch.arange(1, 21, dtype=torch.float32)
     bound = torch.maximum(k * 1e-5 * b[0], 8 * (c - b).abs().max())
     assert bool(((a - b).abs() <= bound).all()), losses
