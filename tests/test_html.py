@@ -78,11 +78,11 @@ class _Kept:
         return self._Context(self._page.context)
 
 
-def load_page(browser, server, page_path, width=1366, fresh=False):
+def load_page(browser, server, page_path, width=1366):
     """The page at a viewport width, every non-local request blocked: (page, js_errors, blocked),
-    the errors and blocked requests recorded since it loaded. Shared unless ``fresh``."""
+    the errors and blocked requests recorded since it loaded. Shared (see discard)."""
     key = (id(browser), server, page_path, width)
-    if not fresh and key in _LOADED:
+    if key in _LOADED:
         _LOADED.move_to_end(key)
         return _LOADED[key]
     context = browser.new_context(viewport={"width": width, "height": 900}, accept_downloads=True)
@@ -93,20 +93,21 @@ def load_page(browser, server, page_path, width=1366, fresh=False):
     response = page.goto(f"{server}/{page_path}.html", wait_until="load")
     assert response is not None and response.ok, f"{page_path}: HTTP {response and response.status}"
     page.wait_for_timeout(300)  # the page's own scripts (scroll cues, figures) have run
-    if fresh:
-        return page, errors, blocked
     _LOADED[key] = (_Kept(page), errors, blocked)
     while len(_LOADED) > KEEP:
-        old, _, _ = _LOADED.popitem(last=False)[1]
-        old._page.context.close()
+        _close(_LOADED.popitem(last=False)[1])
     return _LOADED[key]
+
+
+def _close(loaded) -> None:
+    loaded[0]._page.context.close()
 
 
 def discard(browser, server, page_path, width=1366) -> None:
     """Close a shared load that a test has changed, so that no later test reads it."""
-    kept = _LOADED.pop((id(browser), server, page_path, width), None)
-    if kept is not None:
-        kept[0]._page.context.close()
+    loaded = _LOADED.pop((id(browser), server, page_path, width), None)
+    if loaded is not None:
+        _close(loaded)
 
 
 def browser_order(item):
