@@ -3,6 +3,7 @@
 #   make test   set up .venv (and Chromium, where it can), run the whole test suite
 #   make test-quick   the edit loop (minutes): kernels at small sizes, prose and width checks;
 #                     no chapter executed, no browser, no inspector
+#   make inspect-record   after editing a kernel: record what the compiler says of its variants
 # Neither needs a GPU: without one, kernels run in Triton's interpreter on the CPU.
 #   make gpu-check   on a CUDA GPU only, with the machine's own Python (nothing installed):
 #                    benchmark, kernel tests, inspector and chapters, each under a budget
@@ -14,7 +15,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 
-.PHONY: book test test-quick gpu-check gpu-wheels setup browser clean
+.PHONY: book test test-quick inspect-record gpu-check gpu-wheels setup browser clean
 
 setup: $(STAMP)
 
@@ -59,6 +60,12 @@ test: $(STAMP) browser
 
 test-quick: $(STAMP)
 	$(PY) -m pytest $(PYTEST_WORKERS) --quick
+
+# After editing a kernel (or changing Triton): what the compiler reports for every variant the
+# tests check, written to data/inspect/variants.jsonl for a new machine to read instead of
+# compiling (kernels/inspect.py). Compiles only what is neither cached nor recorded.
+inspect-record: $(STAMP)
+	$(PY) -m kernels.inspect --record
 
 # Refuses (exit 2) on a machine without a CUDA GPU; at most 8 minutes on one (the budgets of
 # tools/gpu_check.py). No venv, no pip, no apt-get: it must run offline on the GPU machine.

@@ -34,6 +34,16 @@ compiled variant are cached on disk (``KERNELS_INSPECT_CACHE``, default
 ``~/.cache/kernels-inspect``), keyed by Triton's version, the kernel's source hash, its
 specialization, options and target.
 
+What the compiler reported for every variant of the test suite's table (:func:`survey`,
+about 2,800 variants for three GPUs) is also recorded in the repository,
+``data/inspect/variants.jsonl`` (:data:`RECORDED`), under the same keys, without the
+PTX: a new machine reads it instead of compiling them all (half an hour on two cores).
+A key names Triton's version and every kernel's source, so an edited kernel or another
+Triton misses and is compiled. ``python -m kernels.inspect --record`` writes the table
+again; the tests check that it covers the survey, and compile a random sample of it
+from nothing on every run (:func:`verify_recorded`): it must still say what the
+compiler says.
+
 This module imports neither torch nor ``kernels`` at the top: the child loads it by file
 path, fakes CUDA and only then imports ``kernels``.
 """
@@ -57,6 +67,9 @@ from dataclasses import asdict, dataclass
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CACHE = pathlib.Path(os.environ.get("KERNELS_INSPECT_CACHE",
                                     pathlib.Path.home() / ".cache" / "kernels-inspect"))
+#: The recorded table (see the module's docstring). ``KERNELS_INSPECT_RECORDED`` names
+#: another file, or, empty, none: every variant compiled.
+RECORDED = ROOT / "data" / "inspect" / "variants.jsonl"
 
 
 @dataclass(frozen=True)
@@ -357,7 +370,7 @@ class _Capture:
                                                              v in signature.items()},
                           {k: str(v) for k,
                            v in consts.items()}, str(sorted(attrs.items())),
-                          str(sorted(options.__dict__.items())), self.target.arch],
+                          _options_key(options), self.target.arch],
                           sort_keys=True)
         self.launches.append({
             "phase": self.phase, "kernel": fn.__name__,
@@ -369,16 +382,31 @@ class _Capture:
         })
 
 
+def _options_key(options) -> str:
+    """The compile options as the variant's key names them: the external libraries
+    (libdevice) by file name, not by the path of the virtual environment they are in,
+    so that two clones of the repository give a variant the same key (Triton's version,
+    which the key names too, fixes the file)."""
+    opts = dict(options.__dict__)
+    if opts.get("extern_libs"):
+        opts["extern_libs"] = tuple((name, os.path.basename(path))
+                                    for name, path in opts["extern_libs"])
+    return str(sorted(opts.items()))
+
+
 def _compile_and_read(fn, signature, constexprs, attrs, options, target,
-                      key: str) -> dict:
+                      key: str, need_ptx: bool = False) -> dict:
     """Lower one specialized variant to PTX (Triton's pipeline), run ptxas -v, read the
-    PTX; cached."""
+    PTX; cached. Unless the PTX itself is asked for, a variant of the recorded table is
+    read from there."""
     import triton
 
     path = CACHE / f"{key}.json"
     cached = _cached(path, triton.__version__)
     if cached is not None:
         return cached
+    if not need_ptx and key in recorded():
+        return dict(recorded()[key])
     # Two processes that need the same variant at once (a chapter's inspector cell and
     # the test suite's, both cold) compile it once: the second waits for the first's
     # entry. (A variant that fails to compile is not cached: each compiles it again.)
@@ -405,7 +433,103 @@ def _cached(path: pathlib.Path, version: str) -> dict | None:
         os.utime(path)
     except OSError:
         pass
+    if "ptx" in cached:  # entries written before the hash left the file names out
+        cached["ptx_sha"] = _ptx_sha(cached["ptx"])
     return cached
+
+
+def _ptx_sha(ptx: str) -> str:
+    """The PTX's hash, less what names the checkout's and the virtual environment's
+    paths, which differ between two clones of the same source: the ``.file`` lines and
+    the DWARF sections after the code (``.section .debug_info`` spells the path in
+    bytes)."""
+    code = re.split(r"^\s*\.section\s+\.debug", ptx, maxsplit=1, flags=re.M)[0]
+    lines = [ln for ln in code.splitlines() if not ln.lstrip().startswith(".file")]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+#: What the recorded table holds of an entry: everything the rows are made from. Not the
+#: PTX (90 KB a variant), nor the compile's duration (differs run to run).
+_NOT_RECORDED = ("ptx", "compile_s", "triton")
+_RECORDED_CACHE: dict = {}
+
+
+def recorded_path() -> pathlib.Path | None:
+    env = os.environ.get("KERNELS_INSPECT_RECORDED")
+    if env is None:
+        return RECORDED
+    return pathlib.Path(env) if env else None
+
+
+def recorded_header(path: pathlib.Path | None = None) -> dict:
+    """The recorded table's first line (``{"triton": ..., "variants": ..., ...}``), or
+    ``{}`` where there is none."""
+    path = path or recorded_path()
+    if path is None or not path.exists():
+        return {}
+    with open(path) as f:
+        return json.loads(f.readline() or "{}")
+
+
+def recorded(path: pathlib.Path | None = None) -> dict:
+    """{variant key: what the compiler reported} from the recorded table, or ``{}``
+    where there is none or it was recorded by another Triton (whose keys would not
+    match anyway: a key names Triton's version)."""
+    import triton
+
+    path = path or recorded_path()
+    if path is None:
+        return {}
+    if path not in _RECORDED_CACHE:
+        table = {}
+        if path.exists():
+            with open(path) as f:
+                header = json.loads(f.readline() or "{}")
+                if header.get("triton") == triton.__version__:
+                    for line in f:
+                        entry = json.loads(line)
+                        table[entry.pop("key")] = entry
+        _RECORDED_CACHE[path] = table
+    return _RECORDED_CACHE[path]
+
+
+def write_recorded(rows: list[dict], path: pathlib.Path | None = None) -> int:
+    """Record what the compiler reported for every variant of ``rows`` (from the
+    inspector's cache, or the table already recorded): one JSON line per variant,
+    sorted by key, after a header naming Triton's version. Returns the count."""
+    import triton
+
+    path = path or RECORDED
+    entries, missing = {}, []
+    for r in rows:
+        key = r["variant"]
+        if "error" in r or key in entries:
+            continue
+        info = _cached(CACHE / f"{key}.json", triton.__version__) or recorded().get(key)
+        if info is None:
+            missing.append(key)
+            continue
+        entries[key] = {k: v for k, v in info.items() if k not in _NOT_RECORDED}
+    if missing:
+        raise RuntimeError(f"{len(missing)} variants neither cached nor recorded "
+                           f"(first: {missing[0]}): inspect them first")
+    import datetime
+
+    header = {"triton": triton.__version__, "variants": len(entries),
+              "recorded": datetime.date.today().isoformat(),
+              "note": "what Triton's compiler and ptxas reported for every variant "
+                      "of the test suite's table (kernels.inspect.survey), by variant "
+                      "key; written by python -m kernels.inspect --record"}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(header) + "\n")
+        for key in sorted(entries):
+            f.write(json.dumps({"key": key, **entries[key]}, sort_keys=True,
+                               separators=(",", ":")) + "\n")
+    tmp.replace(path)
+    _RECORDED_CACHE.pop(path, None)
+    return len(entries)
 
 
 @contextlib.contextmanager
@@ -446,7 +570,7 @@ def _compile(fn, signature, constexprs, attrs, options, target, path) -> dict:
     runtime = [n for n in names if signature[n] != "constexpr"]
     pointers = {i: n for i, n in enumerate(runtime)
                 if str(signature[n]).startswith("*")}
-    info = {"ptx_sha": hashlib.sha256(ptx.encode()).hexdigest()[:16],
+    info = {"ptx_sha": _ptx_sha(ptx),
             "num_warps": compiled.metadata.num_warps,
             "shared": compiled.metadata.shared,
             **(parse_ptxas_log(_PTXAS_LOGS[-1]) if _PTXAS_LOGS
@@ -776,7 +900,7 @@ def _unit_rows(capture, gpu, arch, dtype, calls, unit_shapes, phases, latency_ns
                         continue
                     seen.add(ident)
                     info = _compile_and_read(*launch["_compile"], capture.target,
-                                             launch["key"])
+                                             launch["key"], need_ptx=ptx)
                     row = _row(launch, info, gpu, arch, label, M, N, dtype, call,
                                latency_ns)
                     if ptx and "ptx" in info:
@@ -797,7 +921,8 @@ def _child_env() -> dict:
 def run_inspector(archs=(90,), dtypes=DTYPES, shapes="all", calls=None,
                   latency_ns=LATENCY_NS,
                   ptx=False, timeout=4 * 3600, jobs=None, call_shapes=None, gpu_args=(),
-                  partial=False, phases=("forward", "backward")) -> dict:
+                  partial=False, phases=("forward", "backward"), units=None,
+                  env=None) -> dict:
     """Run the inspector in child processes; returns ``{"meta": ..., "rows": [...]}``.
 
     ``shapes``: "all", "bench", "decode", or a list of (label, M, N). ``calls``: names
@@ -808,7 +933,9 @@ def run_inspector(archs=(90,), dtypes=DTYPES, shapes="all", calls=None,
     forward's launches too, once). ``jobs``: children at once (default: one per core).
     ``gpu_args``: extra child arguments (--bandwidth-gbps, --sms, --gpu-name: see
     :func:`measured_gpu`). ``partial``: past ``timeout`` seconds, return the units that
-    finished (``meta.units_not_finished``) instead of raising."""
+    finished (``meta.units_not_finished``) instead of raising. ``units``: instead of
+    all that, the units themselves, [(arch, dtype, call, shapes), ...]. ``env``: set in
+    the children's environment."""
     def spec(sh):
         return sh if isinstance(sh, str) else ",".join(f"{lab}:{m}:{n}" for lab, m,
                                                        n in sh)
@@ -835,9 +962,12 @@ def run_inspector(archs=(90,), dtypes=DTYPES, shapes="all", calls=None,
         # Units of (architecture, dtype, calls, shapes), shared by as many children as
         # there are cores (compiling is the cost): each child imports torch and kernels
         # once (seconds) and then takes units until none is left.
+        todo = ([(arch, dt, [c], spec(sh)) for arch, dt, c, sh in units]
+                if units is not None else
+                [(arch, dt, c, sh) for arch in archs for dt in dtypes
+                 for c, sh in work])
         units = [(i, arch, dt, ",".join(c), sh) for i, (arch, dt, c, sh)
-                 in enumerate((arch, dt, c, sh) for arch in archs for dt in dtypes
-                              for c, sh in work)]
+                 in enumerate(todo)]
         if not units:  # no architecture or no dtype asked for: nothing to compile
             return {"meta": {}, "rows": []}
         jobs = max(1, min(len(units), jobs or os.cpu_count() or 1))
@@ -850,9 +980,9 @@ def run_inspector(archs=(90,), dtypes=DTYPES, shapes="all", calls=None,
         try:
             for j in range(jobs):
                 with open(pathlib.Path(tmp) / f"child{j}.log", "w") as log:
-                    children.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
-                                                     stderr=log, env=_child_env(),
-                                                     cwd=ROOT))
+                    children.append(subprocess.Popen(
+                        cmd, stdout=subprocess.DEVNULL, stderr=log,
+                        env={**_child_env(), **(env or {})}, cwd=ROOT))
             deadline = time.monotonic() + max(1.0, timeout)
             while True:  # every child watched at once: the first to fail stops the run
                 codes = [proc.poll() for proc in children]
@@ -888,6 +1018,63 @@ def run_inspector(archs=(90,), dtypes=DTYPES, shapes="all", calls=None,
                     result["meta"][k] = v
             result["rows"] += part["rows"]
         return result
+
+
+#: The odd sizes of the test suite's table: N = 1000 is not a multiple of 16 (no 128-bit
+#: specialization), N = 40,000 a row that the kernels loop over.
+ODD_SHAPES = [("odd", 6, 1000), ("odd", 6, 40000)]
+
+
+def survey(**kwargs) -> list[dict]:
+    """Every variant the test suite checks (tests/test_inspect.py): every call at the
+    benchmark's, decode and odd shapes, for sm_90, sm_80 and sm_75, in fp32, fp16 and
+    bf16, and in fp64 (which the gradient checks launch) at the odd shapes."""
+    rows = run_inspector(archs=ARCHS, dtypes=DTYPES, shapes=bench_shapes() + ODD_SHAPES,
+                         **kwargs)["rows"]
+    rows += run_inspector(archs=ARCHS, dtypes=("fp64",), shapes=ODD_SHAPES,
+                          **kwargs)["rows"]
+    return rows
+
+
+def _unit_of(row: dict) -> tuple:
+    return (row["arch"], row["dtype"], row["call"], row["shape"], row["M"], row["N"])
+
+
+def verify_recorded(rows: list[dict], seed: int, jobs=None) -> dict:
+    """Compile again, from nothing, one unit (arch, dtype, call, shape) of ``rows`` per
+    call, chosen at random by ``seed``: with the inspector's cache and Triton's both
+    empty and no recorded table, in child processes. Returns the units, how many rows
+    were compiled, and every unit whose rows differ from those of ``rows``
+    (``mismatches``: [(unit, field, recorded, compiled)])."""
+    import random
+
+    rng = random.Random(seed)
+    by_call: dict = {}
+    for r in rows:
+        if "error" not in r:
+            by_call.setdefault(r["call"], set()).add(_unit_of(r))
+    picks = [rng.choice(sorted(by_call[c])) for c in sorted(by_call)]
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {"KERNELS_INSPECT_CACHE": str(pathlib.Path(tmp) / "inspect"),
+               "TRITON_CACHE_DIR": str(pathlib.Path(tmp) / "triton"),
+               "KERNELS_INSPECT_RECORDED": ""}
+        fresh = run_inspector(
+            units=[(a, d, c, [(lab, m, n)]) for a, d, c, lab, m, n in picks], env=env,
+            jobs=jobs)["rows"]
+    mismatches = []
+    for unit in picks:
+        want = [r for r in rows if _unit_of(r) == unit]
+        got = [r for r in fresh if _unit_of(r) == unit]
+        if len(want) != len(got):
+            mismatches.append((unit, "launches", len(want), len(got)))
+            continue
+        for w, g in zip(want, got):
+            for field in sorted(set(w) | set(g)):
+                if w.get(field) != g.get(field):
+                    mismatches.append((unit, f"{w['kernel']}.{field}", w.get(field),
+                                       g.get(field)))
+    return {"seed": seed, "units": picks, "compiled": len(fresh),
+            "mismatches": mismatches}
 
 
 def inspect_variants(arch: int = 90, **kwargs) -> list[dict]:
@@ -1123,7 +1310,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout-s", type=float,
                    help="after this many seconds, keep what finished (the GPU day's "
                    "budget)")
+    p.add_argument("--record", action="store_true",
+                   help="inspect the test suite's whole table (every arch and dtype) "
+                   "and write it to data/inspect/variants.jsonl (what is recorded "
+                   "already is read, what is not is compiled)")
     a = p.parse_args(argv)
+    if a.record:
+        t0 = time.perf_counter()
+        rows = survey(jobs=a.jobs)
+        errors = [r for r in rows if "error" in r]
+        n = write_recorded(rows, RECORDED)
+        print(f"{n} variants recorded in {RECORDED.relative_to(ROOT)} "
+              f"({len(errors)} failing to compile, not recorded; "
+              f"{time.perf_counter() - t0:.0f} s)")
+        return 1 if errors else 0
     archs = [int(s) for s in a.arch.split(",")]
     for arch in archs:
         if arch not in GPUS:

@@ -178,7 +178,8 @@ def assert_rejected_before_launch(monkeypatch, module: str, call, exc, words: st
 # loads the page once per viewport width (test_html.py).
 
 #: fixture -> (rank in the run's order, the background step that makes it)
-SHARED_FIXTURES = {"executed_book": (1, "book"), "built_html": (2, "html"), "inspector_table": (3, "inspector")}
+SHARED_FIXTURES = {"executed_book": (1, "book"), "built_html": (2, "html"), "inspector_table": (3, "inspector"),
+                   "inspector_verification": (3, "inspector")}
 
 
 def pytest_addoption(parser):

@@ -22,9 +22,9 @@ import pytest
 import run_once
 from kernels import inspect as inspector
 
-ARCHS = (90, 80, 75)
-DTYPES = ("fp32", "fp16", "bf16")
-ODD = [("odd", 6, 1000), ("odd", 6, 40000)]
+ARCHS = inspector.ARCHS
+DTYPES = inspector.DTYPES
+ODD = inspector.ODD_SHAPES
 
 # (call, phase) of every public launch path; a call that launches nothing would be missing rows.
 PATHS = [("rms_norm", "forward"), ("rms_norm", "backward"), ("layer_norm", "forward"),
@@ -96,19 +96,31 @@ STEP_DIR, STEP = inspector.ROOT / "_build", "test-inspect"  # run_once.py's step
 
 
 def _compute_rows():
-    rows = inspector.run_inspector(archs=ARCHS, dtypes=DTYPES, shapes=inspector.bench_shapes() + ODD)["rows"]
-    rows += inspector.run_inspector(archs=ARCHS, dtypes=("fp64",), shapes=ODD)["rows"]
-    return rows
+    rows = inspector.survey()
+    # Where the rows were read from the recorded table, a random unit per call is compiled
+    # again from nothing, to check that the table still says what the compiler says. The seed
+    # is new every run (INSPECT_VERIFY_SEED repeats one).
+    verified = None
+    if inspector.recorded():
+        seed = int(os.environ.get("INSPECT_VERIFY_SEED") or int.from_bytes(os.urandom(4), "big"))
+        verified = inspector.verify_recorded(rows, seed)
+    return {"rows": rows, "verified": verified}
 
 
 def inspector_rows():
-    """Every variant's row, computed once per test run (the background step's entry point)."""
+    """Every variant's row, and the check of the recorded table, computed once per test run
+    (the background step's entry point)."""
     return run_once.once(STEP_DIR, STEP, _compute_rows)
 
 
 @pytest.fixture(scope="session")
 def inspector_table():
-    return inspector_rows()
+    return inspector_rows()["rows"]
+
+
+@pytest.fixture(scope="session")
+def inspector_verification():
+    return inspector_rows()["verified"]
 
 
 def _params(check):
@@ -355,3 +367,106 @@ def test_a_cache_hit_refreshes_the_entrys_time(tmp_path):
     os.utime(entry, (1_000_000, 1_000_000))
     assert inspector._cached(entry, "3.1") is None  # another Triton's: not a hit
     assert entry.stat().st_mtime == 1_000_000
+
+
+def test_the_recorded_table_covers_the_survey(inspector_table):
+    """data/inspect/variants.jsonl holds exactly the variants of this table, so that a new
+    machine compiles none of them (an edited kernel's variants have new keys: record again
+    with ``make inspect-record``). Skipped under another Triton, whose keys all differ."""
+    header = inspector.recorded_header()
+    installed = __import__("triton").__version__
+    if header.get("triton") != installed:
+        pytest.skip(f"the table was recorded with triton {header.get('triton')}, this is "
+                    f"{installed}: every variant was compiled")
+    variants = {r["variant"] for r in inspector_table if "error" not in r}
+    table = set(inspector.recorded())
+    missing, stale = variants - table, table - variants
+    kernels_missing = sorted({r["kernel"] for r in inspector_table if r["variant"] in missing})
+    assert not missing and not stale, (
+        f"{len(missing)} variants not recorded (kernels {kernels_missing}), {len(stale)} "
+        f"recorded that no test compiles: run `make inspect-record` and commit "
+        f"{inspector.RECORDED.relative_to(inspector.ROOT)}")
+    assert header["variants"] == len(table)
+
+
+def test_the_recorded_table_says_what_a_fresh_compile_says(inspector_verification):
+    """One random unit (architecture, dtype, shape) of every call, compiled from nothing (no
+    cache of Triton's or the inspector's, no recorded table), gives the same rows as the table
+    read from the record: registers, spills, load widths, square roots, the PTX's hash. A key
+    that missed something that changes the compile (a knob, another ptxas) fails here."""
+    if inspector_verification is None:
+        pytest.skip("no recorded table for this Triton: every variant was compiled")
+    v = inspector_verification
+    calls = {c for c, _ in PATHS}
+    assert {u[2] for u in v["units"]} == calls and v["compiled"] >= len(calls)
+    assert not v["mismatches"], (f"seed {v['seed']} (INSPECT_VERIFY_SEED repeats it): "
+                                 + "\n".join(map(str, v["mismatches"][:20])))
+
+
+def test_a_wrong_recorded_entry_is_caught(inspector_table):
+    """The check above can fail: rows whose registers were changed by one, as a table edited
+    by hand or recorded by another compiler would say, differ from a fresh compile."""
+    small = dict(archs=(75,), dtypes=("fp16",), shapes=[("odd", 6, 1000)], calls=["softmax"],
+                 phases=("forward",))
+    rows = inspector.run_inspector(**small)["rows"]
+    assert rows
+    assert inspector.verify_recorded(rows, seed=1, jobs=1)["mismatches"] == []
+    wrong = [dict(r, registers=r["registers"] + 1) for r in rows]
+    got = inspector.verify_recorded(wrong, seed=1, jobs=1)["mismatches"]
+    assert [(m[1], m[2] - m[3]) for m in got] == [(f"{r['kernel']}.registers", 1) for r in rows]
+
+
+def test_the_recorded_table_is_read_and_written(monkeypatch, tmp_path):
+    """A recorded variant is read without compiling unless its PTX is asked for; an entry of
+    another Triton is not read; write_recorded keeps what the rows need, not the PTX."""
+    import triton
+
+    monkeypatch.setattr(inspector, "CACHE", tmp_path / "cache")
+    entry = {"registers": 40, "num_warps": 4, "ptx": ".file 1 \"/a/k.py\"\nld.global.b32",
+             "compile_s": 1.5, "triton": triton.__version__}
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "k1.json").write_text(json.dumps(entry))
+    table = tmp_path / "variants.jsonl"
+    assert inspector.write_recorded([{"variant": "k1"}, {"variant": "k1"},
+                                     {"variant": "bad", "error": "x"}], table) == 1
+    lines = table.read_text().splitlines()
+    assert json.loads(lines[0])["triton"] == triton.__version__ and len(lines) == 2
+    assert set(json.loads(lines[1])) == {"key", "registers", "num_warps", "ptx_sha"}
+    (tmp_path / "cache" / "k1.json").unlink()
+    monkeypatch.setenv("KERNELS_INSPECT_RECORDED", str(table))
+    compiled = []
+    monkeypatch.setattr(inspector, "_compile", lambda *a: compiled.append(a) or {"ptx": "p"})
+    got = inspector._compile_and_read(None, None, None, None, None, None, "k1")
+    assert got["registers"] == 40 and not compiled
+    assert inspector._compile_and_read(None, None, None, None, None, None, "k1",
+                                       need_ptx=True) == {"ptx": "p"} and len(compiled) == 1
+    with pytest.raises(RuntimeError, match="neither cached nor recorded"):
+        inspector.write_recorded([{"variant": "k2"}], tmp_path / "other.jsonl")
+    old = tmp_path / "old.jsonl"
+    old.write_text(json.dumps({"triton": "0.1"}) + "\n" + lines[1] + "\n")
+    assert inspector.recorded(old) == {}
+
+
+def test_the_ptx_hash_leaves_out_the_paths():
+    """Two clones at different paths compile the same PTX but for its .file lines and its
+    DWARF sections (the path spelt in bytes): the hash leaves out both, and nothing else."""
+    def ptx(root, load="v4"):
+        path = " ".join(f".b8 {b}" for b in root.encode())
+        return (f'\t.file\t1 "{root}/kernels/rms_norm.py"\nld.global.{load}.b32 {{%r1}}, [%rd1];'
+                f'\n}}\n\t.section\t.debug_info\n\t{{\n{path}\n\t}}\n')
+    a, b = ptx("/work/main"), ptx("/tmp/clone")
+    assert a != b and inspector._ptx_sha(a) == inspector._ptx_sha(b)
+    assert inspector._ptx_sha(a) != inspector._ptx_sha(ptx("/work/main", "v2"))
+
+
+def test_a_variants_key_does_not_name_the_checkouts_path():
+    """The libdevice path in the compile options is the virtual environment's: the key names
+    the file only, so a fresh clone elsewhere finds the recorded variants."""
+    from types import SimpleNamespace
+
+    def options(venv):
+        return SimpleNamespace(num_warps=4, extern_libs=(("libdevice", f"{venv}/triton/lib/libdevice.10.bc"),))
+    assert inspector._options_key(options("/a/.venv")) == inspector._options_key(options("/b/.venv"))
+    assert "libdevice.10.bc" in inspector._options_key(options("/a/.venv"))
+    assert inspector._options_key(options("/a")) != inspector._options_key(
+        SimpleNamespace(num_warps=8, extern_libs=options("/a").extern_libs))
