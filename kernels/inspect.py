@@ -1040,12 +1040,14 @@ def _unit_of(row: dict) -> tuple:
     return (row["arch"], row["dtype"], row["call"], row["shape"], row["M"], row["N"])
 
 
-def verify_recorded(rows: list[dict], seed: int, jobs=None) -> dict:
+def verify_recorded(rows: list[dict], seed: int, jobs=None,
+                    phases=("forward", "backward")) -> dict:
     """Compile again, from nothing, one unit (arch, dtype, call, shape) of ``rows`` per
     call, chosen at random by ``seed``: with the inspector's cache and Triton's both
     empty and no recorded table, in child processes. Returns the units, how many rows
     were compiled, and every unit whose rows differ from those of ``rows``
-    (``mismatches``: [(unit, field, recorded, compiled)])."""
+    (``mismatches``: [(unit, field, recorded, compiled)]). ``phases``: those ``rows``
+    were inspected with."""
     import random
 
     rng = random.Random(seed)
@@ -1060,7 +1062,7 @@ def verify_recorded(rows: list[dict], seed: int, jobs=None) -> dict:
                "KERNELS_INSPECT_RECORDED": ""}
         fresh = run_inspector(
             units=[(a, d, c, [(lab, m, n)]) for a, d, c, lab, m, n in picks], env=env,
-            jobs=jobs)["rows"]
+            jobs=jobs, phases=phases)["rows"]
     mismatches = []
     for unit in picks:
         want = [r for r in rows if _unit_of(r) == unit]

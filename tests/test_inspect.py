@@ -342,14 +342,15 @@ def test_a_variant_two_processes_need_is_compiled_once(monkeypatch, tmp_path):
 
 
 def test_a_failing_child_fails_the_run(monkeypatch, tmp_path):
-    """A child that dies (here: its cache folder is a file, so its first compile fails) fails
-    the run with the child's error, with ``partial`` too: a deadline keeps unfinished units,
-    never a crash counted as one."""
+    """A child that dies (here: its cache folder is a file, so its first compile fails, the
+    recorded table being off) fails the run with the child's error, with ``partial`` too: a
+    deadline keeps unfinished units, never a crash counted as one."""
     blocker = tmp_path / "cache"
     blocker.write_text("")
     real = inspector._child_env
     monkeypatch.setattr(inspector, "_child_env",
-                        lambda: {**real(), "KERNELS_INSPECT_CACHE": str(blocker)})
+                        lambda: {**real(), "KERNELS_INSPECT_CACHE": str(blocker),
+                                 "KERNELS_INSPECT_RECORDED": ""})
     for partial in (False, True):
         with pytest.raises(RuntimeError, match="child failed"):
             inspector.run_inspector(archs=(90,), dtypes=("fp32",), shapes=[("odd", 6, 1000)],
@@ -410,9 +411,10 @@ def test_a_wrong_recorded_entry_is_caught(inspector_table):
                  phases=("forward",))
     rows = inspector.run_inspector(**small)["rows"]
     assert rows
-    assert inspector.verify_recorded(rows, seed=1, jobs=1)["mismatches"] == []
+    check = dict(seed=1, jobs=1, phases=small["phases"])
+    assert inspector.verify_recorded(rows, **check)["mismatches"] == []
     wrong = [dict(r, registers=r["registers"] + 1) for r in rows]
-    got = inspector.verify_recorded(wrong, seed=1, jobs=1)["mismatches"]
+    got = inspector.verify_recorded(wrong, **check)["mismatches"]
     assert [(m[1], m[2] - m[3]) for m in got] == [(f"{r['kernel']}.registers", 1) for r in rows]
 
 
