@@ -329,6 +329,7 @@ class _Capture:
         self.launches: list[dict] = []
         self.phase = ""
         self.binders: dict = {}
+        self.backend_keys: dict = {}
 
     def run(self, fn, args, kwargs, grid):
         import torch
@@ -364,13 +365,19 @@ class _Capture:
                   v in constexprs.items()}
         names = [p.name for p in fn.params]
         consts = {names[int(k)] if k.isdigit() else k: v for k, v in consts.items()}
-        # Triton's version too: fn.cache_key hashes the source only, and a new compiler
-        # makes new PTX.
+        # Triton's version too: fn.cache_key hashes the source only (and its first
+        # line's number), and a new compiler makes new PTX. What else Triton's own cache
+        # key names: the options (libdevice by its content, not its path: two clones
+        # give a variant the same key), ptxas's version, and the environment variables
+        # that change a compile (TRITON_DISABLE_LINE_INFO, DISABLE_PTXAS_OPT, ...).
+        if self.target.arch not in self.backend_keys:
+            self.backend_keys[self.target.arch] = backend.hash()
         key = json.dumps([triton.__version__, fn.cache_key, {k: str(v) for k,
                                                              v in signature.items()},
                           {k: str(v) for k,
                            v in consts.items()}, str(sorted(attrs.items())),
-                          _options_key(options), self.target.arch],
+                          options.hash(), self.target.arch,
+                          self.backend_keys[self.target.arch], _compile_env()],
                           sort_keys=True)
         self.launches.append({
             "phase": self.phase, "kernel": fn.__name__,
@@ -382,16 +389,14 @@ class _Capture:
         })
 
 
-def _options_key(options) -> str:
-    """The compile options as the variant's key names them: the external libraries
-    (libdevice) by file name, not by the path of the virtual environment they are in,
-    so that two clones of the repository give a variant the same key (Triton's version,
-    which the key names too, fixes the file)."""
-    opts = dict(options.__dict__)
-    if opts.get("extern_libs"):
-        opts["extern_libs"] = tuple((name, os.path.basename(path))
-                                    for name, path in opts["extern_libs"])
-    return str(sorted(opts.items()))
+def _compile_env() -> list:
+    """The environment variables that Triton says change a compile, with their values
+    (none set: an empty list; an older Triton without the list: the same)."""
+    try:
+        from triton._C.libtriton import get_cache_invalidating_env_vars
+    except ImportError:
+        return []
+    return sorted(get_cache_invalidating_env_vars().items())
 
 
 def _compile_and_read(fn, signature, constexprs, attrs, options, target,
@@ -401,12 +406,14 @@ def _compile_and_read(fn, signature, constexprs, attrs, options, target,
     read from there."""
     import triton
 
+    # The recorded table first: it is what the tests check (verify_recorded compares it
+    # with a fresh compile), and a local entry of the same key says the same.
+    if not need_ptx and key in recorded():
+        return dict(recorded()[key])
     path = CACHE / f"{key}.json"
     cached = _cached(path, triton.__version__)
     if cached is not None:
         return cached
-    if not need_ptx and key in recorded():
-        return dict(recorded()[key])
     # Two processes that need the same variant at once (a chapter's inspector cell and
     # the test suite's, both cold) compile it once: the second waits for the first's
     # entry. (A variant that fails to compile is not cached: each compiles it again.)
@@ -433,7 +440,7 @@ def _cached(path: pathlib.Path, version: str) -> dict | None:
         os.utime(path)
     except OSError:
         pass
-    if "ptx" in cached:  # entries written before the hash left the file names out
+    if "ptx" in cached:  # the hash as _ptx_sha computes it now, whenever it was written
         cached["ptx_sha"] = _ptx_sha(cached["ptx"])
     return cached
 
@@ -461,9 +468,33 @@ def recorded_path() -> pathlib.Path | None:
     return pathlib.Path(env) if env else None
 
 
+#: What analysis_version hashes: the functions and patterns that make an entry.
+_ANALYSIS = {"_access_bits", "analyze_ptx", "_ptxas", "parse_ptxas_log", "_ptx_sha",
+             "_compile", "_PARAM", "_ACCESS", "_ADDR", "_REG", "_LABEL", "_BRANCH",
+             "_MATH", "_TYPE_BITS"}
+
+
+def analysis_version() -> str:
+    """A hash of the code that turns the compiler's output into an entry (the PTX
+    reader, the ptxas log's parser, the PTX's hash), as this file spells it: an entry
+    keeps its variant's key when this code changes, so the recorded table names the
+    version it was read with, and another version's table is not read."""
+    import ast
+
+    text = pathlib.Path(__file__).read_text()
+    parts = []
+    for node in ast.parse(text).body:
+        targets = getattr(node, "targets", [])
+        names = ({node.name} if isinstance(node, ast.FunctionDef) else
+                 {t.id for t in targets if isinstance(t, ast.Name)})
+        if names & _ANALYSIS:
+            parts.append(ast.get_source_segment(text, node))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
 def recorded_header(path: pathlib.Path | None = None) -> dict:
-    """The recorded table's first line (``{"triton": ..., "variants": ..., ...}``), or
-    ``{}`` where there is none."""
+    """The recorded table's first line (``{"triton": ..., "analysis": ...,
+    "variants": ...}``), or ``{}`` where there is none."""
     path = path or recorded_path()
     if path is None or not path.exists():
         return {}
@@ -473,8 +504,10 @@ def recorded_header(path: pathlib.Path | None = None) -> dict:
 
 def recorded(path: pathlib.Path | None = None) -> dict:
     """{variant key: what the compiler reported} from the recorded table, or ``{}``
-    where there is none or it was recorded by another Triton (whose keys would not
-    match anyway: a key names Triton's version)."""
+    where there is none, or it was recorded by another Triton (whose keys would not
+    match anyway: a key names Triton's version) or read by another version of this
+    module's reader (:func:`analysis_version`). A line that is not an entry (a merge's
+    conflict marker) is an error naming the file and the line."""
     import triton
 
     path = path or recorded_path()
@@ -482,21 +515,31 @@ def recorded(path: pathlib.Path | None = None) -> dict:
         return {}
     if path not in _RECORDED_CACHE:
         table = {}
-        if path.exists():
+        header = recorded_header(path)
+        if (header.get("triton") == triton.__version__
+                and header.get("analysis") == analysis_version()):
             with open(path) as f:
-                header = json.loads(f.readline() or "{}")
-                if header.get("triton") == triton.__version__:
-                    for line in f:
+                next(f)
+                for n, line in enumerate(f, start=2):
+                    if not line.strip():
+                        continue
+                    try:
                         entry = json.loads(line)
                         table[entry.pop("key")] = entry
+                    except (ValueError, KeyError, AttributeError) as exc:
+                        raise ValueError(f"{path}, line {n}: not an entry of the "
+                                         f"recorded table ({exc}): record it again "
+                                         f"(make inspect-record)") from None
         _RECORDED_CACHE[path] = table
     return _RECORDED_CACHE[path]
 
 
-def write_recorded(rows: list[dict], path: pathlib.Path | None = None) -> int:
+def write_recorded(rows: list[dict], path: pathlib.Path | None = None,
+                   use_recorded: bool = True) -> int:
     """Record what the compiler reported for every variant of ``rows`` (from the
-    inspector's cache, or the table already recorded): one JSON line per variant,
-    sorted by key, after a header naming Triton's version. Returns the count."""
+    inspector's cache, or, with ``use_recorded``, the table already recorded): one
+    JSON line per variant, sorted by key, after a header naming Triton's version and
+    the reader's (:func:`analysis_version`). Returns the count."""
     import triton
 
     path = path or RECORDED
@@ -505,7 +548,8 @@ def write_recorded(rows: list[dict], path: pathlib.Path | None = None) -> int:
         key = r["variant"]
         if "error" in r or key in entries:
             continue
-        info = _cached(CACHE / f"{key}.json", triton.__version__) or recorded().get(key)
+        info = (_cached(CACHE / f"{key}.json", triton.__version__)
+                or (recorded(path).get(key) if use_recorded else None))
         if info is None:
             missing.append(key)
             continue
@@ -513,15 +557,13 @@ def write_recorded(rows: list[dict], path: pathlib.Path | None = None) -> int:
     if missing:
         raise RuntimeError(f"{len(missing)} variants neither cached nor recorded "
                            f"(first: {missing[0]}): inspect them first")
-    import datetime
-
-    header = {"triton": triton.__version__, "variants": len(entries),
-              "recorded": datetime.date.today().isoformat(),
+    header = {"triton": triton.__version__, "analysis": analysis_version(),
+              "variants": len(entries),
               "note": "what Triton's compiler and ptxas reported for every variant "
                       "of the test suite's table (kernels.inspect.survey), by variant "
                       "key; written by python -m kernels.inspect --record"}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
     with open(tmp, "w") as f:
         f.write(json.dumps(header) + "\n")
         for key in sorted(entries):
@@ -934,13 +976,15 @@ def run_inspector(archs=(90,), dtypes=DTYPES, shapes="all", calls=None,
     ``gpu_args``: extra child arguments (--bandwidth-gbps, --sms, --gpu-name: see
     :func:`measured_gpu`). ``partial``: past ``timeout`` seconds, return the units that
     finished (``meta.units_not_finished``) instead of raising. ``units``: instead of
-    all that, the units themselves, [(arch, dtype, call, shapes), ...]. ``env``: set in
-    the children's environment."""
+    archs × dtypes × calls × shapes, the units themselves, [(arch, dtype, call,
+    shapes), ...]. ``env``: set in the children's environment."""
     def spec(sh):
         return sh if isinstance(sh, str) else ",".join(f"{lab}:{m}:{n}" for lab, m,
                                                        n in sh)
 
     archs = [archs] if isinstance(archs, int) else list(archs)
+    if units is not None:  # they name their own archs, dtypes, calls and shapes
+        archs = sorted({u[0] for u in units})
     unknown = [a for a in archs if a not in GPUS]
     if unknown:
         raise ValueError(f"archs: {unknown} unknown; choose from {sorted(GPUS)}")
@@ -967,7 +1011,7 @@ def run_inspector(archs=(90,), dtypes=DTYPES, shapes="all", calls=None,
                 [(arch, dt, c, sh) for arch in archs for dt in dtypes
                  for c, sh in work])
         units = [(i, arch, dt, ",".join(c), sh) for i, (arch, dt, c, sh)
-                 in enumerate(todo)]
+                 in enumerate(todo)]  # numbered: the children's listing
         if not units:  # no architecture or no dtype asked for: nothing to compile
             return {"meta": {}, "rows": []}
         jobs = max(1, min(len(units), jobs or os.cpu_count() or 1))
@@ -1314,14 +1358,29 @@ def main(argv: list[str] | None = None) -> int:
                    "budget)")
     p.add_argument("--record", action="store_true",
                    help="inspect the test suite's whole table (every arch and dtype) "
-                   "and write it to data/inspect/variants.jsonl (what is recorded "
-                   "already is read, what is not is compiled)")
+                   "and write it to data/inspect/variants.jsonl (what is recorded or "
+                   "cached already is read, the rest is compiled)")
+    p.add_argument("--from-scratch", action="store_true",
+                   help="with --record: read nothing, compile every variant (no "
+                   "table, no cache of the inspector's or Triton's)")
     a = p.parse_args(argv)
     if a.record:
+        global CACHE
+        if not (ROOT / "pyproject.toml").exists():
+            p.error(f"--record writes into the repository; {ROOT} is not one")
         t0 = time.perf_counter()
-        rows = survey(jobs=a.jobs)
-        errors = [r for r in rows if "error" in r]
-        n = write_recorded(rows, RECORDED)
+        env = None
+        with tempfile.TemporaryDirectory() as scratch:
+            if a.from_scratch:
+                CACHE = pathlib.Path(scratch) / "inspect"
+                env = {"KERNELS_INSPECT_CACHE": str(CACHE),
+                       "TRITON_CACHE_DIR": str(pathlib.Path(scratch) / "triton"),
+                       "KERNELS_INSPECT_RECORDED": ""}
+            else:  # the table this writes is the one read
+                env = {"KERNELS_INSPECT_RECORDED": str(RECORDED)}
+            rows = survey(jobs=a.jobs, env=env)
+            errors = [r for r in rows if "error" in r]
+            n = write_recorded(rows, RECORDED, use_recorded=not a.from_scratch)
         print(f"{n} variants recorded in {RECORDED.relative_to(ROOT)} "
               f"({len(errors)} failing to compile, not recorded; "
               f"{time.perf_counter() - t0:.0f} s)")
