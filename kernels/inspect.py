@@ -61,6 +61,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 
@@ -474,11 +475,25 @@ _ANALYSIS = {"_access_bits", "analyze_ptx", "_ptxas", "parse_ptxas_log", "_ptx_s
              "_MATH", "_TYPE_BITS"}
 
 
+_ANALYSIS_VERSION: list = []
+# The recorded table is loaded, and the reader's version computed, once per process,
+# under this lock: CPython 3.11's ast.parse fails when two threads run it at once ("AST
+# constructor recursion depth mismatch"), and the inspector's compiles can be threads.
+_RECORDED_LOCK = threading.RLock()
+
+
 def analysis_version() -> str:
     """A hash of the code that turns the compiler's output into an entry (the PTX
     reader, the ptxas log's parser, the PTX's hash), as this file spells it: an entry
     keeps its variant's key when this code changes, so the recorded table names the
     version it was read with, and another version's table is not read."""
+    with _RECORDED_LOCK:
+        if not _ANALYSIS_VERSION:
+            _ANALYSIS_VERSION.append(_analysis_version())
+        return _ANALYSIS_VERSION[0]
+
+
+def _analysis_version() -> str:
     import ast
 
     text = pathlib.Path(__file__).read_text()
@@ -508,30 +523,36 @@ def recorded(path: pathlib.Path | None = None) -> dict:
     match anyway: a key names Triton's version) or read by another version of this
     module's reader (:func:`analysis_version`). A line that is not an entry (a merge's
     conflict marker) is an error naming the file and the line."""
-    import triton
-
     path = path or recorded_path()
     if path is None:
         return {}
-    if path not in _RECORDED_CACHE:
-        table = {}
-        header = recorded_header(path)
-        if (header.get("triton") == triton.__version__
-                and header.get("analysis") == analysis_version()):
-            with open(path) as f:
-                next(f)
-                for n, line in enumerate(f, start=2):
-                    if not line.strip():
-                        continue
-                    try:
-                        entry = json.loads(line)
-                        table[entry.pop("key")] = entry
-                    except (ValueError, KeyError, AttributeError) as exc:
-                        raise ValueError(f"{path}, line {n}: not an entry of the "
-                                         f"recorded table ({exc}): record it again "
-                                         f"(make inspect-record)") from None
-        _RECORDED_CACHE[path] = table
-    return _RECORDED_CACHE[path]
+    with _RECORDED_LOCK:
+        if path in _RECORDED_CACHE:
+            return _RECORDED_CACHE[path]
+        return _load_recorded(path)
+
+
+def _load_recorded(path: pathlib.Path) -> dict:
+    import triton
+
+    table = {}
+    header = recorded_header(path)
+    if (header.get("triton") == triton.__version__
+            and header.get("analysis") == analysis_version()):
+        with open(path) as f:
+            next(f)
+            for n, line in enumerate(f, start=2):
+                if not line.strip():
+                    continue
+                try:
+                    entry = json.loads(line)
+                    table[entry.pop("key")] = entry
+                except (ValueError, KeyError, AttributeError) as exc:
+                    raise ValueError(f"{path}, line {n}: not an entry of the recorded "
+                                     f"table ({exc}): record it again "
+                                     f"(make inspect-record)") from None
+    _RECORDED_CACHE[path] = table
+    return table
 
 
 def write_recorded(rows: list[dict], path: pathlib.Path | None = None,

@@ -321,6 +321,10 @@ def test_a_variant_two_processes_need_is_compiled_once(monkeypatch, tmp_path):
     import time
 
     monkeypatch.setattr(inspector, "CACHE", tmp_path)
+    # and both threads the first to read the recorded table in this process (two threads
+    # parsing at once once failed here: CPython's ast.parse is not thread-safe)
+    monkeypatch.setattr(inspector, "_RECORDED_CACHE", {})
+    monkeypatch.setattr(inspector, "_ANALYSIS_VERSION", [])
     compiled = []
 
     def slow_compile(*args):
@@ -474,6 +478,33 @@ def test_the_recorded_table_is_read_and_written(monkeypatch, tmp_path):
     broken.write_text(lines[0] + "\n\n" + lines[1] + "\n<<<<<<< HEAD\n")
     with pytest.raises(ValueError, match="conflict.jsonl, line 4"):
         inspector.recorded(broken)
+
+
+def test_two_threads_load_the_recorded_table_once(monkeypatch, tmp_path):
+    """The table is read, and the reader's version computed (ast.parse, which CPython 3.11 does
+    not run safely in two threads at once: it failed a run here), by one thread while the other
+    waits for it: both get the same table, loaded once."""
+    import threading
+    import time
+
+    loads = []
+
+    def slow_load(path):
+        loads.append(path)
+        time.sleep(0.3)  # the other thread arrives meanwhile
+        inspector._RECORDED_CACHE[path] = {"k": {"registers": 1}}
+        return inspector._RECORDED_CACHE[path]
+
+    monkeypatch.setattr(inspector, "_RECORDED_CACHE", {})
+    monkeypatch.setattr(inspector, "_load_recorded", slow_load)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(inspector.recorded(tmp_path / "t")))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(loads) == 1 and got[0] is got[1]
 
 
 def test_the_ptx_hash_leaves_out_the_paths():
