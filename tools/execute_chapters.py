@@ -10,6 +10,10 @@ numpy versions. When the stamp changes, the whole cache is cleared and every cha
 an unchanged chapter on unchanged code is not executed twice. ``--force`` clears it regardless.
 A chapter executed here has its file's mtime renewed, so that the build renders it again.
 
+A chapter whose kernel fails outside any cell (it did not start, or nbclient's clean-up raised:
+a known race of kernels started at once under load, jupyter/nbclient#126) is executed once
+more, from its file; an error in a cell, or a cell past its time, fails at once.
+
 Usage: ``python tools/execute_chapters.py [--force] [--jobs N]`` (from the repository root).
 """
 
@@ -53,6 +57,25 @@ def stamp() -> str:
     return h.hexdigest()
 
 
+def execute(path: pathlib.Path, nb, executor, read):
+    """``executor(nb, ...)`` (jupyter-cache's single_nb_execution), once more on a fresh
+    ``read(path)`` when the failure is not the chapter's (see the module's docstring)."""
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError
+
+    def once(nb):
+        return executor(nb, cwd=str(path.parent), timeout=TIMEOUT, allow_errors=False,
+                        meta_override=True)
+
+    result = once(nb)
+    if result.err is not None and not isinstance(result.err, (CellExecutionError,
+                                                              CellTimeoutError)):
+        print(f"  {path.name}: the kernel failed outside any cell "
+              f"({type(result.err).__name__}: {result.err}); executing it again")
+        nb = read(path)
+        result = once(nb)
+    return nb, result
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--force", action="store_true", help="clear the cache and execute every chapter")
@@ -87,8 +110,8 @@ def main(argv=None) -> int:
 
     def run(item):
         path, nb = item
-        return path, nb, single_nb_execution(nb, cwd=str(path.parent), timeout=TIMEOUT,
-                                             allow_errors=False, meta_override=True)
+        return (path, *execute(path, nb, single_nb_execution,
+                               lambda p: nbformat.read(p, as_version=4)))
 
     failed = []
     start = time.time()
