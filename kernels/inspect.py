@@ -1105,6 +1105,13 @@ def _unit_of(row: dict) -> tuple:
     return (row["arch"], row["dtype"], row["call"], row["shape"], row["M"], row["N"])
 
 
+def _from_nothing(folder: pathlib.Path) -> dict:
+    """The children's environment for compiling from nothing: the inspector's cache and
+    Triton's both new folders under ``folder``, and no recorded table."""
+    return {"KERNELS_INSPECT_CACHE": str(folder / "inspect"),
+            "TRITON_CACHE_DIR": str(folder / "triton"), "KERNELS_INSPECT_RECORDED": ""}
+
+
 def verify_recorded(rows: list[dict], seed: int, jobs=None,
                     phases=("forward", "backward")) -> dict:
     """Compile again, from nothing, one unit (arch, dtype, call, shape) of ``rows`` per
@@ -1122,12 +1129,9 @@ def verify_recorded(rows: list[dict], seed: int, jobs=None,
             by_call.setdefault(r["call"], set()).add(_unit_of(r))
     picks = [rng.choice(sorted(by_call[c])) for c in sorted(by_call)]
     with tempfile.TemporaryDirectory() as tmp:
-        env = {"KERNELS_INSPECT_CACHE": str(pathlib.Path(tmp) / "inspect"),
-               "TRITON_CACHE_DIR": str(pathlib.Path(tmp) / "triton"),
-               "KERNELS_INSPECT_RECORDED": ""}
         fresh = run_inspector(
-            units=[(a, d, c, [(lab, m, n)]) for a, d, c, lab, m, n in picks], env=env,
-            jobs=jobs, phases=phases)["rows"]
+            units=[(a, d, c, [(lab, m, n)]) for a, d, c, lab, m, n in picks],
+            env=_from_nothing(pathlib.Path(tmp)), jobs=jobs, phases=phases)["rows"]
     mismatches = []
     for unit in picks:
         want = [r for r in rows if _unit_of(r) == unit]
@@ -1390,13 +1394,10 @@ def main(argv: list[str] | None = None) -> int:
         if not (ROOT / "pyproject.toml").exists():
             p.error(f"--record writes into the repository; {ROOT} is not one")
         t0 = time.perf_counter()
-        env = None
         with tempfile.TemporaryDirectory() as scratch:
             if a.from_scratch:
-                CACHE = pathlib.Path(scratch) / "inspect"
-                env = {"KERNELS_INSPECT_CACHE": str(CACHE),
-                       "TRITON_CACHE_DIR": str(pathlib.Path(scratch) / "triton"),
-                       "KERNELS_INSPECT_RECORDED": ""}
+                env = _from_nothing(pathlib.Path(scratch))
+                CACHE = pathlib.Path(env["KERNELS_INSPECT_CACHE"])
             else:  # the table this writes is the one read
                 env = {"KERNELS_INSPECT_RECORDED": str(RECORDED)}
             rows = survey(jobs=a.jobs, env=env)
