@@ -63,10 +63,10 @@ test-quick: $(STAMP)
 
 # After editing a kernel (or changing Triton): what the compiler reports for every variant the
 # tests check, written to data/inspect/variants.jsonl for a new machine to read instead of
-# compiling (kernels/inspect.py). Compiles only what is neither cached nor recorded;
+# compiling (kernels/normbook/lab/inspector.py). Compiles only what is neither cached nor recorded;
 # FROM_SCRATCH=1 reads nothing and compiles every variant (half an hour on two cores).
 inspect-record: $(STAMP)
-	$(PY) -m kernels.inspect --record $(if $(FROM_SCRATCH),--from-scratch)
+	$(PY) -m normbook.lab.inspector --record $(if $(FROM_SCRATCH),--from-scratch)
 
 # Refuses (exit 2) on a machine without a CUDA GPU; at most 8 minutes on one (the budgets of
 # tools/gpu_check.py). No venv, no pip, no apt-get: it must run offline on the GPU machine.

@@ -22,8 +22,8 @@ import torch  # noqa: E402
 
 torch.set_num_threads(COMPUTE_THREADS)  # in case torch was imported first
 
-import kernels  # noqa: F401,E402  (sets TRITON_INTERPRET before any kernel is defined)
-from kernels import DEVICE  # noqa: E402
+import normbook  # noqa: F401,E402  (sets TRITON_INTERPRET before any kernel is defined)
+from normbook import DEVICE  # noqa: E402
 
 # Unit roundoff u = 2**-(p) of each storage dtype: one correct rounding errs by at most u, relatively.
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float64: 2.0**-53}
@@ -64,7 +64,7 @@ def assert_close_to_reference(out, ref, dtype, weight_max=1.0, what="output"):
 
 
 def on_cpu(*tensors):
-    """The one "compare on the CPU" helper: kernel results (on kernels.DEVICE) moved next to
+    """The one "compare on the CPU" helper: kernel results (on normbook.DEVICE) moved next to
     references built on the CPU in float64, detached. One tensor in, one out; several, a tuple.
     ``None`` stays ``None`` (e.g. a gradient that was not asked for)."""
     out = tuple(t.detach().cpu() if isinstance(t, torch.Tensor) else t for t in tensors)
@@ -156,10 +156,10 @@ def browser():
 
 def assert_rejected_before_launch(monkeypatch, module: str, call, exc, words: str) -> None:
     """``call()`` raises ``exc`` with ``words`` in its message, and never reaches the launcher
-    ``_forward`` of ``kernels.<module>`` (the module, not the function of the same name)."""
+    ``_forward`` of ``normbook.<module>`` (the module, not the function of the same name)."""
     import importlib
 
-    mod = importlib.import_module(f"kernels.{module}")
+    mod = importlib.import_module(f"normbook.{module}")
 
     def no_launch(*a, **k):
         raise AssertionError("the kernel was launched with a bad argument")

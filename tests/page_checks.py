@@ -106,7 +106,7 @@ async () => {
 """
 
 # Code blocks whose content is wider than their box: chapter code cells, outputs (printed text,
-# kernel listings shown by kernels.notebook.show_source) and code in prose; each with its text, so
+# kernel listings shown by normbook.lab.notebook.show_source) and code in prose; each with its text, so
 # that a test can tell a kernel listing from the file it was read from.
 SCROLLING_CODE_JS = r"""
 () => [...document.querySelectorAll("main pre")]

@@ -1,4 +1,4 @@
-"""kernels.attention against the float64 reference (kernels.reference.attention) and SDPA."""
+"""normbook.attention against the float64 reference (normbook.reference.attention) and SDPA."""
 
 import math
 
@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import LOW_PRECISION, UNIT_ROUNDOFF, assert_rejected_before_launch, randn
-from kernels import DEVICE, attention
-from kernels import reference as ref
-from kernels.attention import _capability, tile_config, tiles_visited
+from normbook import DEVICE, attention
+from normbook import reference as ref
+from normbook.attention import _capability, tile_config, tiles_visited
 
 U32 = 2.0**-24
 

@@ -1,4 +1,4 @@
-"""The backward of kernels.attention against float64 autograd of the explicit-mask
+"""The backward of normbook.attention against float64 autograd of the explicit-mask
 reference.
 
 Sizes are small for the interpreter (seq ≤ 70) but odd and chosen to cross tile
@@ -18,12 +18,12 @@ import torch.nn.functional as F
 
 from conftest import (LOW_PRECISION, UNIT_ROUNDOFF, assert_rejected_before_launch,
                       on_cpu, randn)
-from kernels import DEVICE, attention
-from kernels import reference as ref
+from normbook import DEVICE, attention
+from normbook import reference as ref
 from test_attention import error_bound
 
 # the module, not the function of the same name
-attention_module = importlib.import_module("kernels.attention")
+attention_module = importlib.import_module("normbook.attention")
 
 U32 = 2.0**-24
 
@@ -167,7 +167,7 @@ def test_sliding_window(seq_q, seq_k, window, dtype, poison_empty):
 
 
 def test_reference_formula_is_autograd_of_the_reference():
-    """dS = P ∘ (dP − D) (kernels.reference.attention_backward) is what float64 autograd
+    """dS = P ∘ (dP − D) (normbook.reference.attention_backward) is what float64 autograd
     of the explicit-mask forward gives, masks, GQA and fully masked rows included."""
     for causal, window, seq_q, seq_k in [(False, None, 6, 9), (True, None, 9, 4),
                                          ("top_left", None, 5, 8), (True, 3, 8, 8)]:

@@ -1,6 +1,6 @@
 """No public function of the package silently drops a gradient.
 
-Walks every callable in ``kernels.__all__``. For each tensor argument in turn, that argument (and
+Walks every callable in ``normbook.__all__``. For each tensor argument in turn, that argument (and
 only it) requires grad; the function must then either
 
 * return float tensors that carry a ``grad_fn``, and after ``backward`` give the argument a
@@ -23,8 +23,8 @@ import inspect
 import pytest
 import torch
 
-import kernels
-from kernels import DEVICE
+import normbook
+from normbook import DEVICE
 
 
 def _randn(*shape):
@@ -87,8 +87,8 @@ VARIANTS = {"rms_norm": CONVENTIONS, "fused_add_rms_norm": CONVENTIONS}
 
 
 def _public_callables():
-    return sorted(n for n in kernels.__all__ if callable(getattr(kernels, n))
-                  and not isinstance(getattr(kernels, n), type))
+    return sorted(n for n in normbook.__all__ if callable(getattr(normbook, n))
+                  and not isinstance(getattr(normbook, n), type))
 
 
 def test_every_public_function_is_walked():
@@ -96,14 +96,14 @@ def test_every_public_function_is_walked():
     assert not unknown, (f"public functions {sorted(unknown)} are not walked by this test: add "
                          "them to CALLS (or NO_TENSOR_INPUTS if they take no tensor)")
     for name in CALLS:
-        params = inspect.signature(getattr(kernels, name)).parameters
+        params = inspect.signature(getattr(normbook, name)).parameters
         missing = set(CALLS[name]()) - set(params)
         assert not missing, f"{name}: CALLS names {missing}, not in its signature"
 
 
 def _cases():
     for name in sorted(CALLS):
-        params = inspect.signature(getattr(kernels, name)).parameters
+        params = inspect.signature(getattr(normbook, name)).parameters
         variants = [v for v in VARIANTS.get(name, [{}]) if set(v) <= set(params)]
         for arg, value in CALLS[name]().items():
             if not value.is_floating_point():
@@ -130,7 +130,7 @@ def _float_tensors(out):
 
 @pytest.mark.parametrize("name, arg, extra", list(_cases()))
 def test_gradient_is_kept_or_refused(name, arg, extra):
-    fn = getattr(kernels, name)
+    fn = getattr(normbook, name)
     kwargs = {**CALLS[name](), **extra}
     kwargs[arg] = kwargs[arg].detach().requires_grad_()
     try:

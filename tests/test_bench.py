@@ -1,4 +1,4 @@
-"""kernels.bench: the smoke run exercises the benchmark's whole code path on tiny shapes.
+"""normbook.lab.bench: the smoke run exercises the benchmark's whole code path on tiny shapes.
 
 On a CPU the smoke run times with the wall clock in Triton's interpreter; these tests check the
 machinery (cases, providers, bytes, checks, files, provenance), never the numbers' size.
@@ -15,7 +15,8 @@ import sys
 import pytest
 import torch
 
-from kernels import DEVICE, bench
+from normbook import DEVICE
+from normbook.lab import bench
 
 FIELDS = ["gpu", "device", "torch", "triton", "dtype", "date", "command", "git_commit", "timer", "smoke"]
 
@@ -36,7 +37,7 @@ def test_smoke_run_writes_json_and_csv_with_provenance(smoke):
     for key in FIELDS:
         assert key in prov, key
     assert prov["smoke"] is True and prov["torch"] == torch.__version__
-    assert prov["command"].startswith("python -m kernels.bench --smoke")
+    assert prov["command"].startswith("python -m normbook.lab.bench --smoke")
     assert data["copy"]["bytes"] == 2 * 2**20 and data["copy"]["GB/s"] > 0
     with result["csv"].open() as f:
         rows = list(csv.DictReader(f))
@@ -66,14 +67,14 @@ def test_smoke_run_covers_every_case_and_provider(smoke):
                     if r["regime"] == "decode"} == set(bench.SMOKE_DECODE)
         for r in mine:
             assert r["status"] in ("ok", "skipped", "error")
-            if r["provider"] in ("kernels", "torch eager"):
+            if r["provider"] in ("normbook", "torch eager"):
                 assert r["status"] == "ok", r
                 assert r["check"] == "ok", r
                 assert r["ms"] > 0 and r["GB/s"] > 0 and r["pct_of_copy"] > 0
 
 
 def test_smoke_run_times_the_existing_kernels(smoke):
-    ok = {(r["kernel"], r["direction"]) for r in smoke[0]["results"] if r["provider"] == "kernels" and r["status"] == "ok"}
+    ok = {(r["kernel"], r["direction"]) for r in smoke[0]["results"] if r["provider"] == "normbook" and r["status"] == "ok"}
     assert ("rms_norm", "forward") in ok and ("fused_add_rms_norm", "forward") in ok
 
 
@@ -120,10 +121,10 @@ def _problem(ours):
 def test_a_failing_or_wrong_provider_does_not_stop_the_run():
     case = bench.Case("rms_norm", "forward", lambda *a: None)
     wrong = lambda x, w: bench.torch_rms_norm(x, w) * 1.5  # noqa: E731
-    rows = bench.run_problem(case, _problem(wrong), 4, 64, ["kernels", "torch eager", "liger"],
+    rows = bench.run_problem(case, _problem(wrong), 4, 64, ["normbook", "torch eager", "liger"],
                              bench.wall_time_ms, 1.0, torch.float32, compile_ok=False)
     by = {r["provider"]: r for r in rows}
-    assert by["kernels"]["check"].startswith("MISMATCH")
+    assert by["normbook"]["check"].startswith("MISMATCH")
     assert by["torch eager"]["check"] == "ok"
     assert by["liger"]["status"] == "error" and "ZeroDivisionError" in by["liger"]["note"]
 
@@ -165,7 +166,7 @@ def test_loader_ignores_smoke_runs_and_reads_gpu_runs(smoke, tmp_path):
     runs = bench.load_runs(tmp_path)
     assert len(runs) == 1 and "test double" in bench.label(runs[0])
     table = bench.summary(runs[0])
-    assert {(t["kernel"], t["provider"]) for t in table} >= {("rms_norm", "kernels"), ("rms_norm", "torch eager")}
+    assert {(t["kernel"], t["provider"]) for t in table} >= {("rms_norm", "normbook"), ("rms_norm", "torch eager")}
     import matplotlib
 
     matplotlib.use("Agg")
@@ -187,8 +188,8 @@ def test_recorded_results_carry_their_provenance():
 
 def test_command_line_entry_point(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "kernels.bench", "--smoke", "--out", str(tmp_path),
-         "--cases", "fused_add_rms_norm.forward", "--sizes", "256", "--providers", "kernels,torch eager"],
+        [sys.executable, "-m", "normbook.lab.bench", "--smoke", "--out", str(tmp_path),
+         "--cases", "fused_add_rms_norm.forward", "--sizes", "256", "--providers", "normbook,torch eager"],
         capture_output=True, text=True, timeout=300, cwd=pathlib.Path(bench.ROOT))
     assert proc.returncode == 0, proc.stderr
     assert "fused_add_rms_norm.forward" in proc.stdout
@@ -213,21 +214,21 @@ def test_a_failing_row_is_reported_loudly(monkeypatch, tmp_path, capsys):
         return bench.Problem((x, w), bench.timing.bytes_moved(x, w, x), broken, bench.torch_rms_norm)
 
     monkeypatch.setattr(bench.runner, "CASES", [bench.Case("broken", "forward", build)])
-    argv = ["--smoke", "--out", str(tmp_path), "--sizes", "256", "--no-decode", "--providers", "kernels,torch eager"]
+    argv = ["--smoke", "--out", str(tmp_path), "--sizes", "256", "--no-decode", "--providers", "normbook,torch eager"]
     result = bench.main(argv, log=lambda *_: None)
     err = capsys.readouterr().err
-    assert "kernels.bench ERROR" in err and "kernel exploded" in err and "1 row(s) failed" in err
+    assert "normbook.lab.bench ERROR" in err and "kernel exploded" in err and "1 row(s) failed" in err
     assert result["failed"] is True
-    assert [r["provider"] for r in json.loads(result["json"].read_text())["errors"]] == ["kernels"]
-    monkeypatch.setattr(sys, "argv", ["kernels.bench", *argv])
+    assert [r["provider"] for r in json.loads(result["json"].read_text())["errors"]] == ["normbook"]
+    monkeypatch.setattr(sys, "argv", ["normbook.lab.bench", *argv])
     assert bench.runner.cli() == 1
 
 
 def test_only_liger_failing_does_not_fail_the_run():
     rows = [{"provider": "liger", "status": "error", "check": ""},
-            {"provider": "kernels", "status": "ok", "check": "ok"}]
+            {"provider": "normbook", "status": "ok", "check": "ok"}]
     assert bench.errors_of(rows) == rows[:1] and bench.failing(rows[:1]) == []
-    mismatch = {"provider": "kernels", "status": "ok", "check": "MISMATCH (max error 0.5)"}
+    mismatch = {"provider": "normbook", "status": "ok", "check": "MISMATCH (max error 0.5)"}
     assert bench.failing(bench.errors_of([mismatch])) == [mismatch]
 
 
@@ -291,17 +292,17 @@ def test_recorded_run_fixture_reads_like_a_gpu_run():
 
 
 def test_timing_cells_show_a_recorded_run_on_a_cpu(monkeypatch, capsys):
-    """Every chapter's timing cell calls kernels.timing.compare: on a CPU it says that nothing
+    """Every chapter's timing cell calls normbook.lab.timing.compare: on a CPU it says that nothing
     is timed here, then shows what the recorded GPU run measured for the kernels the cell's
     candidates call, with the GPU, versions, date and the prediction beside each figure."""
     if DEVICE.type == "cuda":
         pytest.skip("on a GPU the cell measures live")
-    import kernels
+    import normbook
 
     monkeypatch.setattr(bench.report, "DATA_DIR", FIXTURE)
     x = torch.randn(4, 256, device=DEVICE, requires_grad=True)
     w = torch.randn(256, device=DEVICE)
-    assert bench.timing.compare({"ours": lambda: kernels.rms_norm(x, w)}, 1) is None
+    assert bench.timing.compare({"ours": lambda: normbook.rms_norm(x, w)}, 1) is None
     out = capsys.readouterr().out
     assert bench.timing.CPU_NOTE in out
     for text in ("Test double GPU", "2026-01-02", "torch 2.11.0+cu130", "triton 3.6.0",
@@ -313,20 +314,20 @@ def test_timing_cells_show_a_recorded_run_on_a_cpu(monkeypatch, capsys):
     assert "91.0%" in forward[0] and "97%" in forward[0], forward[0]
     # A cell that differentiates shows the backward too; one that calls no benchmarked kernel,
     # nothing recorded.
-    bench.timing.compare({"fwd+bwd": lambda: torch.autograd.grad(kernels.rms_norm(x, w), x, x)}, 1)
+    bench.timing.compare({"fwd+bwd": lambda: torch.autograd.grad(normbook.rms_norm(x, w), x, x)}, 1)
     assert "rms_norm.backward" in capsys.readouterr().out
-    bench.timing.compare({"other": lambda: kernels.row_variance(x.detach())}, 1)
+    bench.timing.compare({"other": lambda: normbook.row_variance(x.detach())}, 1)
     assert "Measured on" not in capsys.readouterr().out
 
 
 def test_no_recorded_run_shows_no_gpu_figure(monkeypatch, capsys, tmp_path):
     if DEVICE.type == "cuda":
         pytest.skip("on a GPU the cell measures live")
-    import kernels
+    import normbook
 
     monkeypatch.setattr(bench.report, "DATA_DIR", tmp_path)
     x, w = torch.randn(4, 256, device=DEVICE), torch.randn(256, device=DEVICE)
-    bench.timing.compare({"ours": lambda: kernels.rms_norm(x, w)}, 1)
+    bench.timing.compare({"ours": lambda: normbook.rms_norm(x, w)}, 1)
     assert capsys.readouterr().out.strip() == bench.timing.CPU_NOTE
 
 
@@ -343,7 +344,7 @@ def test_plan_run_keeps_its_rows_when_stopped(tmp_path):
 
 
 def test_every_plan_entry_is_a_case_and_the_plan_fits_the_gpu_day():
-    from kernels.bench import plan
+    from normbook.lab.bench import plan
 
     names = {c.name for c in bench.CASES}
     assert [e.case for e in plan.PLAN if e.case not in names] == []
@@ -355,11 +356,11 @@ def test_every_plan_entry_is_a_case_and_the_plan_fits_the_gpu_day():
 
 
 def test_plan_smoke_run_rows_in_plan_order(tmp_path):
-    from kernels.bench import plan
+    from normbook.lab.bench import plan
 
     cases = "rms_norm.forward,fused_add_rms_norm.backward"
     result = bench.main(["--smoke", "--plan", "gpu-day", "--out", str(tmp_path), "--cases", cases,
-                         "--providers", "kernels,torch eager"], log=lambda *_: None)
+                         "--providers", "normbook,torch eager"], log=lambda *_: None)
     assert result["cut"] is None and not result["failed"], result["errors"]
     seen = list(dict.fromkeys(f"{r['kernel']}.{r['direction']}" for r in result["results"]))
     assert seen == cases.split(",")
@@ -413,7 +414,7 @@ def cells_for(nb, wanted):
 @pytest.mark.skipif(importlib.util.find_spec("nbclient") is None, reason="needs nbclient")
 def test_speed_of_light_chapter_renders_a_recorded_run(tmp_path):
     """The chapter's cells that read data/bench/ (and the cells they need: cells_for), executed
-    with the fixture as data/bench/ ($KERNELS_BENCH_DIR), show the run's label, its summary and
+    with the fixture as data/bench/ ($NORMBOOK_BENCH_DIR), show the run's label, its summary and
     the recorded measured-against-predicted table. The rest of the chapter runs in the book's
     own execution, unchanged; only these cells' output depends on a recorded run."""
     import nbformat
@@ -424,20 +425,20 @@ def test_speed_of_light_chapter_renders_a_recorded_run(tmp_path):
     path = pathlib.Path(bench.ROOT) / "book" / "speed_of_light.ipynb"
     nb = nbformat.read(path, as_version=4)
     readers = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"
-               and any(s in c.source for s in ("load_runs(", "comparison(", "KERNELS_BENCH_DIR"))]
+               and any(s in c.source for s in ("load_runs(", "comparison(", "NORMBOOK_BENCH_DIR"))]
     assert len(readers) >= 2, readers  # the summary and the comparison table
     keep = cells_for(nb, readers)
     nb.cells = [c for i, c in enumerate(nb.cells) if i in keep or c.cell_type != "code"]
-    env_before = os.environ.get("KERNELS_BENCH_DIR")
-    os.environ["KERNELS_BENCH_DIR"] = str(FIXTURE)
+    env_before = os.environ.get("NORMBOOK_BENCH_DIR")
+    os.environ["NORMBOOK_BENCH_DIR"] = str(FIXTURE)
     try:
         NotebookClient(nb, timeout=600, kernel_name="python3",
                        resources={"metadata": {"path": str(path.parent)}}).execute()
     finally:
         if env_before is None:
-            os.environ.pop("KERNELS_BENCH_DIR")
+            os.environ.pop("NORMBOOK_BENCH_DIR")
         else:
-            os.environ["KERNELS_BENCH_DIR"] = env_before
+            os.environ["NORMBOOK_BENCH_DIR"] = env_before
     text = "\n".join(str(o.get("text", "")) + str(o.get("data", {}).get("text/markdown", ""))
                      for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "Test double GPU" in text and "CUDA 13.0" in text

@@ -65,7 +65,7 @@ def test_execution_cache_key_covers_what_chapters_depend_on(tmp_path, monkeypatc
     sys.path.insert(0, str(ROOT / "tools"))
     import execute_chapters
 
-    for name in ("kernels/__init__.py", "kernels/deep/x.py", "pyproject.toml", "requirements.txt"):
+    for name in ("kernels/normbook/__init__.py", "kernels/deep/x.py", "pyproject.toml", "requirements.txt"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("a = 1\n")
     monkeypatch.setattr(execute_chapters, "ROOT", tmp_path)

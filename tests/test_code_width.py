@@ -44,7 +44,7 @@ def test_the_width_check_sees_a_long_line(tmp_path):
 
 
 def test_kernel_source_fits_88_columns():
-    """The chapters show kernels/ source (kernels.notebook.show_source) in the same column as
+    """The chapters show kernels/ source (normbook.lab.notebook.show_source) in the same column as
     their code cells: every line of the package fits 88 columns too."""
     import pathlib
 

@@ -1,5 +1,5 @@
-"""kernels.cross_entropy, forward and backward, against the float64 reference
-(kernels.reference.cross_entropy / cross_entropy_grad) and torch.nn.functional.cross_entropy.
+"""normbook.cross_entropy, forward and backward, against the float64 reference
+(normbook.reference.cross_entropy / cross_entropy_grad) and torch.nn.functional.cross_entropy.
 
 Tolerances. The kernel works in fp32 on the (rounded) logits. Per row, the running sum s of
 exp(x - m) errs relatively by a few 2**-24 per term plus the summation's log2(BLOCK_N) + blocks
@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from conftest import LOW_PRECISION, UNIT_ROUNDOFF, assert_rejected_before_launch, randn
-from kernels import DEVICE, cross_entropy
-from kernels import reference as ref
+from normbook import DEVICE, cross_entropy
+from normbook import reference as ref
 
-ce_mod = importlib.import_module("kernels.cross_entropy")  # the module, not the function
+ce_mod = importlib.import_module("normbook.cross_entropy")  # the module, not the function
 QWEN3_VOCAB = 151_936
 REDUCTIONS = ["mean", "sum", "none"]
 

@@ -1,4 +1,4 @@
-"""kernels.decode_attention against the float64 per-row reference, SDPA, and itself.
+"""normbook.decode_attention against the float64 per-row reference, SDPA, and itself.
 
 The properties that make it a server's kernel: a row's bits do not depend on the batch
 (its size, the other rows, their lengths, the cache's capacity), paged equals contiguous
@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import LOW_PRECISION, UNIT_ROUNDOFF, assert_rejected_before_launch, on_cpu, randn
-from kernels import DEVICE, decode_attention
-from kernels import reference as ref
-from kernels.decode_attention import KV_CHUNK, _check, _forward
+from normbook import DEVICE, decode_attention
+from normbook import reference as ref
+from normbook.decode_attention import KV_CHUNK, _check, _forward
 from test_attention import error_bound
 
 NAN = float("nan")

@@ -1,4 +1,4 @@
-"""kernels.fused_add_rms_norm against the float64 reference (kernels.reference.fused_add_rms_norm).
+"""normbook.fused_add_rms_norm against the float64 reference (normbook.reference.fused_add_rms_norm).
 
 Two outputs, two arguments for the tolerance:
 
@@ -21,8 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import LOW_PRECISION, UNIT_ROUNDOFF, assert_close_to_reference, norm_tolerance, randn, assert_rejected_before_launch
-from kernels import DEVICE, fused_add_rms_norm, rms_norm
-from kernels import reference as ref
+from normbook import DEVICE, fused_add_rms_norm, rms_norm
+from normbook import reference as ref
 
 SIZES = [1, 2, 7, 1000, 4097, 262147]
 
@@ -59,7 +59,7 @@ def test_matches_reference(dtype, n, poison_empty):
 
 @pytest.mark.parametrize("n", [7, 4097, 40000])  # 40000 bf16 values pass 64 KB: the looped path
 def test_equals_the_unfused_kernels_bit_for_bit(n):
-    """Same roundings in the same order as residual add, then kernels.rms_norm."""
+    """Same roundings in the same order as residual add, then normbook.rms_norm."""
     x, r = randn(3, n, dtype=torch.bfloat16), randn(3, n, dtype=torch.bfloat16)
     w = randn(n, dtype=torch.bfloat16)
     y, h = fused_add_rms_norm(x, r, w)
@@ -223,17 +223,17 @@ def test_bad_arguments_raise_clear_errors(call, exc, words, monkeypatch):
 
 def test_split_rows_match_rms_norm_and_do_not_depend_on_their_batch(poison_empty):
     """8200 bf16 values, past the single-block limit: the split forward (h and its sums per
-    block, then the normalization of h) equals residual add then kernels.rms_norm bit for
+    block, then the normalization of h) equals residual add then normbook.rms_norm bit for
     bit (the same sums, added the same way), and row 1's y, h and 1/rms are the same alone
     and in a batch of 3. The tail (last block, 8 values) is 40 times larger than the rest, so
     a dropped block would move 1/rms several-fold."""
-    fused_module = importlib.import_module("kernels.fused_add_rms_norm")
+    fused_module = importlib.import_module("normbook.fused_add_rms_norm")
     n = 8200
     x, r = randn(3, n, dtype=torch.bfloat16), randn(3, n, dtype=torch.bfloat16)
     x[:, -8:] *= 40
     w = randn(n, dtype=torch.bfloat16)
-    rms_module = importlib.import_module("kernels.rms_norm")
-    # the split is chosen from 512 KiB rows on (kernels._config.rms_split); forced here
+    rms_module = importlib.import_module("normbook.rms_norm")
+    # the split is chosen from 512 KiB rows on (normbook._config.rms_split); forced here
     y, h, _ = fused_module._forward(x, r, w, 1e-6, split=True)
     assert torch.equal(h, x + r)
     assert torch.equal(y, rms_module._forward(x + r, w, 1e-6, split=True)[0])

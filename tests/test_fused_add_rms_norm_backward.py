@@ -1,4 +1,4 @@
-"""The backward of kernels.fused_add_rms_norm against autograd of the float64 reference.
+"""The backward of normbook.fused_add_rms_norm against autograd of the float64 reference.
 
 With ḡ_y, ḡ_h the gradients reaching y and h = x + r: dx = dr = vjp_RMSNorm(ḡ_y) + ḡ_h and
 dγ = Σ_rows ḡ_y ⊙ ĥ. The kernel is rms_norm's backward on the saved h (plus ḡ_h, added in fp32
@@ -13,8 +13,8 @@ import torch
 
 from backward_helpers import NORM_BACKWARD_CASES, assert_grad_close
 from conftest import randn
-from kernels import fused_add_rms_norm
-from kernels import reference as ref
+from normbook import fused_add_rms_norm
+from normbook import reference as ref
 
 
 def rows_for(n):
@@ -148,7 +148,7 @@ def test_dweight_is_bitwise_deterministic(dtype, m, n):
 
 def test_equals_autograd_of_the_unfused_kernels():
     """Same kernel, same inputs: the fused backward equals rms_norm's backward on x + r, plus dh."""
-    from kernels import rms_norm
+    from normbook import rms_norm
 
     x, r, w = randn(5, 333, dtype=torch.bfloat16), randn(5, 333, dtype=torch.bfloat16), randn(333)
     dy, dh = randn(5, 333, dtype=torch.bfloat16), randn(5, 333, dtype=torch.bfloat16)

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from kernels import DEVICE
+from normbook import DEVICE
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 GPU_CHECK = ROOT / "tools" / "gpu_check.py"
@@ -194,10 +194,10 @@ def test_a_dry_run_is_never_recorded(dry_run):
 
 
 def test_the_gpu_day_plan_measures_every_benchmark_case():
-    """A kernel added to kernels.bench.cases but not to the GPU day's plan would come back from
+    """A kernel added to normbook.lab.bench.cases but not to the GPU day's plan would come back from
     the only GPU run unmeasured; and every plan kernel the inspector does not lower is named."""
-    from kernels import bench
-    from kernels.bench import plan
+    from normbook.lab import bench
+    from normbook.lab.bench import plan
 
     gpu_check = _gpu_check()
     planned = {e.case for e in plan.PLANS["gpu-day"]}

@@ -1,7 +1,7 @@
-"""kernels.hf.patch: a Hugging Face model on this package's kernels computes what it computed before.
+"""normbook.hf.patch: a Hugging Face model on this package's kernels computes what it computed before.
 
 Tiny models built from a config (2 layers, hidden 64, vocab 64; random weights, nothing
-downloaded), on kernels.DEVICE. The unpatched model *is* the reference: transformers 5.x's own
+downloaded), on normbook.DEVICE. The unpatched model *is* the reference: transformers 5.x's own
 Qwen3/Llama/Gemma 3 code. The norm weights are drawn away from their initial 1 (Gemma: 0) so that a
 dropped or misapplied γ changes the result.
 
@@ -32,11 +32,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels import DEVICE
+import normbook
+from normbook import DEVICE
+from normbook.lab import op_count
 
 transformers = pytest.importorskip("transformers")
-hf = pytest.importorskip("kernels.hf")
+hf = pytest.importorskip("normbook.hf")
 from transformers import (  # noqa: E402
     Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
     Qwen3Config, Qwen3ForCausalLM, Qwen3Model,
@@ -128,7 +129,7 @@ def test_unknown_architecture_is_refused(bad):
 @pytest.mark.parametrize("build", [qwen3, llama, gemma3], ids=["qwen3", "llama", "gemma3"])
 def test_the_kernels_really_run(monkeypatch, build, grad):
     """Each kernel is called where it belongs (equality of logits alone would not show it), in
-    training too. Attention runs the kernel in training once kernels.attention has a backward
+    training too. Attention runs the kernel in training once normbook.attention has a backward
     (probed: until then that one call falls back to transformers' attention)."""
     calls = {"rms_norm": 0, "fused_add_rms_norm": 0, "qk_norm_rope": 0, "attention": 0,
              "swiglu": 0, "_linear_cross_entropy": 0}
@@ -160,13 +161,13 @@ def test_the_kernels_really_run(monkeypatch, build, grad):
 
 
 def test_kernels_hf_after_import_kernels_alone():
-    """``import kernels`` imports no transformers; ``kernels.hf`` loads on first use."""
+    """``import normbook`` imports no transformers; ``normbook.hf`` loads on first use."""
     import subprocess
     import sys
 
-    code = ("import sys, kernels; assert 'transformers' not in sys.modules; "
-            "assert 'kernels.hf' not in sys.modules; "
-            "assert callable(kernels.hf.patch) and kernels.hf is sys.modules['kernels.hf']")
+    code = ("import sys, normbook; assert 'transformers' not in sys.modules; "
+            "assert 'normbook.hf' not in sys.modules; "
+            "assert callable(normbook.hf.patch) and normbook.hf is sys.modules['normbook.hf']")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
 
@@ -275,7 +276,7 @@ def test_greedy_generation_identical(build):
 
 @pytest.mark.parametrize("build", [qwen3, llama, gemma3], ids=["qwen3", "llama", "gemma3"])
 def test_loss_with_labels_and_its_gradients(build):
-    """labels given: the loss is kernels.linear_cross_entropy's (shifted as ForCausalLMLoss),
+    """labels given: the loss is normbook.linear_cross_entropy's (shifted as ForCausalLMLoss),
     the logits are not returned (None), and every parameter's gradient matches transformers'.
     Bounds as for the logits above (the loss is a mean of lse − logit: its relative error is
     that of the logits, 1e-5) and the gradients (1e-5 relative)."""
@@ -310,7 +311,7 @@ def test_num_items_in_batch_and_shift_labels():
 
 @pytest.mark.parametrize("build", [qwen3, llama], ids=["qwen3", "llama"])
 def test_padding_mask_is_refused_not_ignored(build):
-    """A padded batch's mask is not the causal pattern kernels.attention computes: a clear
+    """A padded batch's mask is not the causal pattern normbook.attention computes: a clear
     error, never a silently unmasked pad. An all-ones mask is the causal one: accepted."""
     model = hf.patch(build()).eval()
     ids = _ids()
@@ -379,7 +380,7 @@ def test_what_stays_on_pytorch_in_one_layer(build):
         model(_ids())
     handle.remove()
     with torch.no_grad():
-        _, counts = hf.torch_ops(layer, *captured["a"], **captured["k"])
+        _, counts = op_count.torch_ops(layer, *captured["a"], **captured["k"])
     work = {key: n for key, n in counts.items()
             if key[0] in ("matmul", "embedding", "elementwise", "attention", "cache")}
     rope = {("elementwise", "mul"): 4, ("elementwise", "neg"): 2, ("elementwise", "cat"): 2}

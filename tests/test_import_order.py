@@ -1,6 +1,6 @@
 """The package works whatever was imported before it (issue: transformers imports Triton first).
 
-On a machine without a GPU, ``import kernels`` switches Triton to its interpreter. If Triton was
+On a machine without a GPU, ``import normbook`` switches Triton to its interpreter. If Triton was
 imported earlier (``import triton.language``, or ``transformers``' modeling modules, which import
 it), Triton's own ``@jit`` library functions (``tl.sum``, ...) were built for compiled mode and
 every kernel failed with ``InterpreterError: Cannot call @triton.jit'd outside of the scope of a
@@ -21,14 +21,14 @@ import pytest
 SCRIPT = textwrap.dedent("""
     import torch
     import torch.nn.functional as F
-    import kernels
-    from kernels import DEVICE
-    from kernels.qk_norm_rope import qk_norm_rope_torch
+    import normbook
+    from normbook import DEVICE
+    from normbook.qk_norm_rope import qk_norm_rope_torch
 
     torch.manual_seed(0)
     x = torch.randn(3, 8, device=DEVICE, requires_grad=True)
     w = torch.randn(8, device=DEVICE, requires_grad=True)
-    y = kernels.rms_norm(x, w)
+    y = normbook.rms_norm(x, w)
     y.sum().backward()
     x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     F.rms_norm(x2, (8,), w2, eps=1e-6).sum().backward()
@@ -37,24 +37,24 @@ SCRIPT = textwrap.dedent("""
     torch.testing.assert_close(w.grad, w2.grad, rtol=1e-4, atol=1e-5)
 
     a, r = torch.randn(2, 3, 8, device=DEVICE), torch.randn(2, 3, 8, device=DEVICE)
-    yf, h = kernels.fused_add_rms_norm(a, r, w.detach())
+    yf, h = normbook.fused_add_rms_norm(a, r, w.detach())
     torch.testing.assert_close(h, a + r)
     torch.testing.assert_close(yf, F.rms_norm(a + r, (8,), w.detach(), eps=1e-6),
                                rtol=1e-4, atol=1e-5)
 
     b = torch.randn(4, 8, device=DEVICE)
-    torch.testing.assert_close(kernels.layer_norm(b, w.detach(), None),
+    torch.testing.assert_close(normbook.layer_norm(b, w.detach(), None),
                                F.layer_norm(b, (8,), w.detach(), None, eps=1e-5),
                                rtol=1e-4, atol=1e-5)
-    mean, var = kernels.row_variance(b)
+    mean, var = normbook.row_variance(b)
     torch.testing.assert_close(var, b.var(-1, correction=0), rtol=1e-4, atol=1e-6)
 
     q, k = torch.randn(1, 2, 2, 8, device=DEVICE), torch.randn(1, 2, 1, 8, device=DEVICE)
     angle = torch.randn(1, 2, 4, device=DEVICE).repeat(1, 1, 2)
     args = (q, k, w.detach(), w.detach(), angle.cos(), angle.sin())
-    for got, want in zip(kernels.qk_norm_rope(*args), qk_norm_rope_torch(*args)):
+    for got, want in zip(normbook.qk_norm_rope(*args), qk_norm_rope_torch(*args)):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    print("ok", kernels.INTERPRET)
+    print("ok", normbook.INTERPRET)
 """)
 
 PRELUDES = {
@@ -62,7 +62,7 @@ PRELUDES = {
     "triton.language first": "import triton.language\n",
     "triton, then torch, first": "import triton\nimport triton.language as tl\nimport torch\n",
     "transformers' Qwen3 first": "import transformers.models.qwen3.modeling_qwen3\n",
-    "kernels.hf first": "import kernels.hf\n",
+    "normbook.hf first": "import normbook.hf\n",
 }
 
 
@@ -83,20 +83,20 @@ def test_every_kernel_runs_whatever_was_imported_first(prelude):
 
 
 def test_the_reproducer_from_the_issue():
-    done = _run("import triton.language; import torch, kernels; "
-                "print(kernels.rms_norm(torch.randn(2, 8).to(kernels.DEVICE)).shape)")
+    done = _run("import triton.language; import torch, normbook; "
+                "print(normbook.rms_norm(torch.randn(2, 8).to(normbook.DEVICE)).shape)")
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "torch.Size([2, 8])"
 
 
 def test_library_functions_are_interpreted_after_a_late_import():
-    """White box, on a CPU only: after ``import triton.language; import kernels`` no Triton
+    """White box, on a CPU only: after ``import triton.language; import normbook`` no Triton
     library function is left in compiled mode (the cause of the original error)."""
     done = _run(textwrap.dedent("""
         import triton.language as tl
         from triton.runtime.jit import JITFunction
-        import kernels
-        if kernels.INTERPRET:
+        import normbook
+        if normbook.INTERPRET:
             left = [n for n, v in vars(tl).items() if type(v) is JITFunction]
             left += [n for n, v in vars(tl.tensor).items() if type(v) is JITFunction]
             assert not left, left

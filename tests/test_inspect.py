@@ -1,7 +1,7 @@
-"""What the GPU compiler makes of every kernel variant, checked on a CPU (kernels.inspect).
+"""What the GPU compiler makes of every kernel variant, checked on a CPU (normbook.lab.inspector).
 
 The interpreter checks what the kernels compute; only the GPU compiler checks that they compile,
-how many registers they need and whether they spill. ``kernels.inspect`` lowers every launch the
+how many registers they need and whether they spill. ``normbook.lab.inspector`` lowers every launch the
 public functions make, specialized by Triton's own JIT binder exactly as on a device, for sm_90
 (H100/H200), sm_80 (A100) and sm_75 (T4), at the benchmark's shapes, the decode shapes and two odd
 sizes (N = 1000, not a multiple of 16, and N = 40,000, a looped row), in fp32, fp16 and bf16 (and
@@ -20,7 +20,7 @@ import os
 import pytest
 
 import run_once
-from kernels import inspect as inspector
+from normbook.lab import inspector as inspector
 
 ARCHS = inspector.ARCHS
 DTYPES = inspector.DTYPES
@@ -246,12 +246,12 @@ def test_ptx_reader_traces_addresses_to_arguments():
 
 
 def test_command_line_prints_the_table(inspector_table, tmp_path):
-    """``python -m kernels.inspect`` end to end on one small call (cached by the table's run)."""
+    """``python -m normbook.lab.inspector`` end to end on one small call (cached by the table's run)."""
     import subprocess
     import sys
 
     out = tmp_path / "t.json"
-    proc = subprocess.run([sys.executable, "-m", "kernels.inspect", "--arch", "90", "--dtypes", "bf16",
+    proc = subprocess.run([sys.executable, "-m", "normbook.lab.inspector", "--arch", "90", "--dtypes", "bf16",
                            "--shapes", "decode", "--calls", "rms_norm", "--json", str(out)],
                           capture_output=True, text=True, timeout=1200, cwd=inspector.ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -353,8 +353,8 @@ def test_a_failing_child_fails_the_run(monkeypatch, tmp_path):
     blocker.write_text("")
     real = inspector._child_env
     monkeypatch.setattr(inspector, "_child_env",
-                        lambda: {**real(), "KERNELS_INSPECT_CACHE": str(blocker),
-                                 "KERNELS_INSPECT_RECORDED": ""})
+                        lambda: {**real(), "NORMBOOK_INSPECT_CACHE": str(blocker),
+                                 "NORMBOOK_INSPECT_RECORDED": ""})
     for partial in (False, True):
         with pytest.raises(RuntimeError, match="child failed"):
             inspector.run_inspector(archs=(90,), dtypes=("fp32",), shapes=[("odd", 6, 1000)],
@@ -387,7 +387,7 @@ def test_the_recorded_table_covers_the_survey(inspector_table):
                     f"{installed} (requirements.txt pins the table's): every variant was "
                     f"compiled")
     assert header.get("analysis") == inspector.analysis_version(), (
-        "kernels/inspect.py reads the compiler's output differently from when the table was "
+        "kernels/normbook/lab/inspector.py reads the compiler's output differently from when the table was "
         "recorded: record it again from nothing (make inspect-record FROM_SCRATCH=1)")
     variants = {r["variant"] for r in inspector_table if "error" not in r}
     table = set(inspector.recorded())
@@ -435,7 +435,7 @@ def test_a_wrong_recorded_entry_is_caught(inspector_table, tmp_path):
     table.write_text(json.dumps({"triton": __import__("triton").__version__,
                                  "analysis": inspector.analysis_version()}) + "\n" +
                      "".join(json.dumps({"key": k, **v}) + "\n" for k, v in entries.items()))
-    wrong = inspector.run_inspector(**small, env={"KERNELS_INSPECT_RECORDED": str(table)})["rows"]
+    wrong = inspector.run_inspector(**small, env={"NORMBOOK_INSPECT_RECORDED": str(table)})["rows"]
     assert [r["registers"] for r in wrong] == [r["registers"] + 1 for r in right]
     check = dict(seed=1, jobs=1, phases=small["phases"])
     got = inspector.verify_recorded(wrong, **check)["mismatches"]
@@ -460,7 +460,7 @@ def test_the_recorded_table_is_read_and_written(monkeypatch, tmp_path):
     assert json.loads(lines[0])["triton"] == triton.__version__ and len(lines) == 2
     assert set(json.loads(lines[1])) == {"key", "registers", "num_warps", "ptx_sha"}
     (tmp_path / "cache" / "k1.json").unlink()
-    monkeypatch.setenv("KERNELS_INSPECT_RECORDED", str(table))
+    monkeypatch.setenv("NORMBOOK_INSPECT_RECORDED", str(table))
     compiled = []
     monkeypatch.setattr(inspector, "_compile", lambda *a: compiled.append(a) or {"ptx": "p"})
     got = inspector._compile_and_read(None, None, None, None, None, None, "k1")
@@ -512,7 +512,7 @@ def test_the_ptx_hash_leaves_out_the_paths():
     DWARF sections (the path spelt in bytes): the hash leaves out both, and nothing else."""
     def ptx(root, load="v4"):
         path = " ".join(f".b8 {b}" for b in root.encode())
-        return (f'\t.file\t1 "{root}/kernels/rms_norm.py"\nld.global.{load}.b32 {{%r1}}, [%rd1];'
+        return (f'\t.file\t1 "{root}/kernels/normbook/rms_norm.py"\nld.global.{load}.b32 {{%r1}}, [%rd1];'
                 f'\n}}\n\t.section\t.debug_info\n\t{{\n{path}\n\t}}\n')
     a, b = ptx("/work/main"), ptx("/tmp/clone")
     assert a != b and inspector._ptx_sha(a) == inspector._ptx_sha(b)

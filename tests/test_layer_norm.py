@@ -1,4 +1,4 @@
-"""kernels.layer_norm against the float64 reference (kernels.reference.layer_norm) and torch.
+"""normbook.layer_norm against the float64 reference (normbook.reference.layer_norm) and torch.
 
 Tolerance (``assert_ln_close``), derived from the kernel's arithmetic. Before the final rounding
 everything is fp32 (unit roundoff u = 2**-24):
@@ -20,8 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import LOW_PRECISION, UNIT_ROUNDOFF, randn, assert_rejected_before_launch
-from kernels import DEVICE, layer_norm
-from kernels import reference as ref
+from normbook import DEVICE, layer_norm
+from normbook import reference as ref
 
 SIZES = [1, 2, 7, 1000, 4097, 262147]
 U32 = 2.0**-24
@@ -80,7 +80,7 @@ def test_matches_reference(dtype, n, poison_empty):
 @pytest.mark.parametrize("n", [1000, 262147])
 def test_saved_mean_and_rstd(n, poison_empty):
     """The per-row statistics kept for the backward pass: fp32, one per row, every row written."""
-    mod = importlib.import_module("kernels.layer_norm")
+    mod = importlib.import_module("normbook.layer_norm")
     x = randn(3, n, scale=2.0) + 0.5
     y, mean, rstd = mod._forward(x, None, None, 1e-5)
     assert mean.dtype == rstd.dtype == torch.float32 and mean.shape == rstd.shape == (3,)
@@ -140,7 +140,7 @@ def test_float64_is_accumulated_in_float64():
     x = randn(4, 513, dtype=torch.float64) + 3.0
     w, b = randn(513, dtype=torch.float64), randn(513, dtype=torch.float64)
     torch.testing.assert_close(layer_norm(x, w, b), ref.layer_norm(x, w, b), rtol=1e-12, atol=1e-13)
-    mod = importlib.import_module("kernels.layer_norm")
+    mod = importlib.import_module("normbook.layer_norm")
     _, mean, rstd = mod._forward(x, w, b, 1e-5)
     assert mean.dtype == rstd.dtype == torch.float64
 
@@ -160,7 +160,7 @@ def test_large_common_offset_is_normalized_accurately(n):
     The variance (hence rstd) must be right to the fp32 statistics' 1e-5; the output errs by at most
     a few units in the last place of μ (no fp32 kernel that subtracts an fp32 mean can beat half an
     ulp of μ ≈ 1e4, i.e. 2**-11 ≈ 4.9e-4, relative to σ = 1)."""
-    mod = importlib.import_module("kernels.layer_norm")
+    mod = importlib.import_module("normbook.layer_norm")
     x = 1e4 + randn(2, n)
     y, _, rstd = mod._forward(x, None, None, 1e-5)
     torch.testing.assert_close(rstd.double(), 1 / torch.sqrt(ref.variance(x)[:, 0] + 1e-5), rtol=1e-5, atol=0)
@@ -178,7 +178,7 @@ def test_blocks_with_different_means_merge_exactly():
     n = 262147
     ramp = torch.linspace(0.0, 50.0, n)
     x = torch.stack([1e3 + ramp + torch.randn(n), -ramp + 0.01 * torch.randn(n)]).to(DEVICE)
-    mod = importlib.import_module("kernels.layer_norm")
+    mod = importlib.import_module("normbook.layer_norm")
     y, mean, rstd = mod._forward(x, None, None, 1e-5)
     torch.testing.assert_close(rstd.double(), 1 / torch.sqrt(ref.variance(x)[:, 0] + 1e-5), rtol=1e-5, atol=0)
     assert_ln_close(y, x)
@@ -206,7 +206,7 @@ def test_empty_inputs():
         n = shape[-1]
         y = layer_norm(x, torch.ones(n, device=DEVICE), torch.zeros(n, device=DEVICE))
         assert y.shape == x.shape and y.numel() == 0
-    mod = importlib.import_module("kernels.layer_norm")
+    mod = importlib.import_module("normbook.layer_norm")
     _, mean, rstd = mod._forward(torch.empty(0, 8, device=DEVICE), None, None, 1e-5)  # M = 0: nothing launched
     assert mean.shape == rstd.shape == (0,)
 

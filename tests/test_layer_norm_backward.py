@@ -1,4 +1,4 @@
-"""The backward pass of kernels.layer_norm (Triton kernels behind torch.autograd) against the float64
+"""The backward pass of normbook.layer_norm (Triton kernels behind torch.autograd) against the float64
 reference differentiated by torch's autograd, and torch.autograd.gradcheck through the kernels.
 
 Tolerance: see backward_helpers. For LayerNorm the terms of dx = rstd·(g − mean(g) − x̂·mean(g ⊙ x̂))
@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 
 from backward_helpers import NORM_BACKWARD_CASES, assert_grad_close
 from conftest import LOW_PRECISION, randn
-from kernels import layer_norm
-from kernels import reference as ref
+from normbook import layer_norm
+from normbook import reference as ref
 
-ln_mod = importlib.import_module("kernels.layer_norm")  # the module, not the function of the same name
+ln_mod = importlib.import_module("normbook.layer_norm")  # the module, not the function of the same name
 
 
 def rows_for(n):

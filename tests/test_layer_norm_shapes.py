@@ -1,4 +1,4 @@
-"""kernels.layer_norm shaped for the hardware, checked without a GPU: the byte count of the
+"""normbook.layer_norm shaped for the hardware, checked without a GPU: the byte count of the
 backward's partial sums, the number of programs, and batch invariance (a row's bits do not
 depend on the other rows of the batch), in the interpreter.
 
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from conftest import randn
-from kernels import layer_norm
+from normbook import layer_norm
 
-ln_mod = importlib.import_module("kernels.layer_norm")
-ELEMENTS = 2**26  # kernels.bench: M = ELEMENTS // N rows for each hidden size N
+ln_mod = importlib.import_module("normbook.layer_norm")
+ELEMENTS = 2**26  # normbook.lab.bench: M = ELEMENTS // N rows for each hidden size N
 H100_SMS = 132
 ELEMENT_SIZE = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 

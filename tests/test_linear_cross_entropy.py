@@ -1,7 +1,7 @@
-"""kernels.linear_cross_entropy = cross_entropy(h Wᵀ, t), without the (M, V) logits.
+"""normbook.linear_cross_entropy = cross_entropy(h Wᵀ, t), without the (M, V) logits.
 
-Against float64 (kernels.reference.linear_cross_entropy and autograd through it) in fp32 and
-fp64; against the materialized path (F.linear, then kernels.cross_entropy) in bf16/fp16.
+Against float64 (normbook.reference.linear_cross_entropy and autograd through it) in fp32 and
+fp64; against the materialized path (F.linear, then normbook.cross_entropy) in bf16/fp16.
 
 Tolerances (u = 2**-24 in fp32). A logit is a d-term dot product: its error is at most
 d·u·Σ_k|h_k w_k| (the classical bound for a sum), and the loss of a row moves by at most twice
@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 
 from conftest import UNIT_ROUNDOFF, assert_rejected_before_launch, on_cpu, randn
-from kernels import DEVICE, cross_entropy, linear_cross_entropy
-from kernels import reference as ref
+from normbook import DEVICE, cross_entropy, linear_cross_entropy
+from normbook import reference as ref
 
-lce = importlib.import_module("kernels.linear_cross_entropy")
+lce = importlib.import_module("normbook.linear_cross_entropy")
 M, D, V = 37, 24, 300
 
 
@@ -228,11 +228,11 @@ def test_benchmark_case_runs_and_measures():
     """The GPU benchmark's memory case, at a CPU size: every provider's loss agrees with the
     materialized one, and the measured extra memory of ours is below a quarter of the logits
     while the materialized path's is the logits (so the measurement can tell them apart)."""
-    from kernels.bench import cases
+    from normbook.lab.bench import cases
 
     rows = cases.measure_linear_cross_entropy(lambda f: 0.0, DEVICE, torch.float32, (64, 1000, 8))
     ok = {r["provider"]: r for r in rows if r["status"] == "ok"}
-    assert {"kernels", "F.linear + kernels.cross_entropy"} <= set(ok)
-    assert ok["kernels"]["extra_over_logits"] <= 0.25
-    assert ok["F.linear + kernels.cross_entropy"]["extra_over_logits"] >= 1.0
+    assert {"normbook", "F.linear + normbook.cross_entropy"} <= set(ok)
+    assert ok["normbook"]["extra_over_logits"] <= 0.25
+    assert ok["F.linear + normbook.cross_entropy"]["extra_over_logits"] >= 1.0
     assert all(r["loss_diff"] <= 1e-5 * abs(r["loss"]) for r in ok.values())

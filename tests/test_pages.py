@@ -107,7 +107,7 @@ def test_long_line_exemptions_are_still_needed():
 @pytest.mark.parametrize("page_path", NOTEBOOK_PAGES)
 def test_no_code_block_scrolls_at_desktop_width(browser, server, page_path):  # noqa: F811
     """No code block scrolls sideways at 1366 px: chapter code cells (at most 88 columns), their
-    outputs, code in prose, and the kernel listings shown from kernels/ (drawn at the code cells'
+    outputs, code in prose, and the kernel listings shown from normbook/ (drawn at the code cells'
     size; the files with longer lines, until reformatted, are listed above)."""
     page, _ = open_view(browser, server, page_path, 1366)
     try:
@@ -169,7 +169,7 @@ def test_dark_mode_figures_are_drawn_alike(browser, server, page_path):  # noqa:
 
 @pytest.mark.parametrize("page_path", NOTEBOOK_PAGES)
 def test_no_raw_markdown_table(built_html, page_path):
-    """A markdown table printed by a cell (kernels.inspect) is rendered as a table, not shown as
+    """A markdown table printed by a cell (normbook.lab.inspector) is rendered as a table, not shown as
     lines of pipes."""
     raw = page_checks.raw_pipe_tables((built_html / f"{page_path}.html").read_text())
     assert not raw, f"{page_path}: {len(raw)} Markdown tables shown as text, e.g. {raw[:2]}"

@@ -120,7 +120,7 @@ TINY_TABLE = "| case | value |\n|---|---|\n| tiny | 0.125 |"
 ALPHA = [
     md("# Alpha\n\nA value glued without display, {glue:text}`alpha-x:.3f`, one with, "
        "{glue:text}`alpha-n`; the other chapter, {doc}`beta`; a citation {cite}`williams2009roofline`."),
-    code("import time\n\nfrom IPython.display import Markdown, display\n\nfrom kernels.notebook import glue\n\n"
+    code("import time\n\nfrom IPython.display import Markdown, display\n\nfrom normbook.lab.notebook import glue\n\n"
          'glue("alpha-x", 0.125, display=False)\nglue("alpha-n", 7)\n'
          f"display(Markdown({TINY_TABLE!r}))\n"
          'print("first row of a printed table", flush=True)\n'

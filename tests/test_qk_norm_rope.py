@@ -1,6 +1,6 @@
-"""kernels.qk_norm_rope against the real reference (Hugging Face transformers' Qwen3Attention, built
+"""normbook.qk_norm_rope against the real reference (Hugging Face transformers' Qwen3Attention, built
 from a tiny randomly initialised Qwen3Config; no weights are downloaded) and against the float64
-formula (kernels.reference.qk_norm_rope).
+formula (normbook.reference.qk_norm_rope).
 
 Tolerances. The kernel performs the reference's roundings in the reference's order:
 x̂ = rnd(x·rstd), y = rnd(x̂·γ), a = rnd(y·cos), b = rnd(rotate_half(y)·sin), out = rnd(a + b).
@@ -25,9 +25,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import UNIT_ROUNDOFF, randn, assert_rejected_before_launch
-from kernels import DEVICE, qk_norm_rope
-from kernels import reference as ref
-from kernels.qk_norm_rope import BUGS, qk_norm_rope_torch
+from normbook import DEVICE, qk_norm_rope
+from normbook import reference as ref
+from normbook.qk_norm_rope import BUGS, qk_norm_rope_torch
 
 mq = pytest.importorskip("transformers.models.qwen3.modeling_qwen3")
 from transformers import AttentionInterface, Qwen3Config  # noqa: E402
@@ -221,7 +221,7 @@ def test_hand_calculation():
 
 def test_views_of_a_fused_qkv_projection_are_read_in_place(monkeypatch):
     """q and k as views of one (batch, seq, (Hq + 2·Hk)·d) buffer: strided, last dimension contiguous."""
-    mod = importlib.import_module("kernels.qk_norm_rope")
+    mod = importlib.import_module("normbook.qk_norm_rope")
     B, S, Hq, Hk, D = 2, 5, 4, 2, 64
     qkv = randn(B, S, (Hq + 2 * Hk) * D, dtype=torch.bfloat16)
     q = qkv[..., : Hq * D].view(B, S, Hq, D)

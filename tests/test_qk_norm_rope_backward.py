@@ -1,5 +1,5 @@
-"""The backward pass of kernels.qk_norm_rope (Triton kernels behind torch.autograd) against the
-float64 reference (kernels.reference.qk_norm_rope) differentiated by torch's autograd, and
+"""The backward pass of normbook.qk_norm_rope (Triton kernels behind torch.autograd) against the
+float64 reference (normbook.reference.qk_norm_rope) differentiated by torch's autograd, and
 torch.autograd.gradcheck through the kernels.
 
 Tolerance (see backward_helpers for the general argument). Per head, with x̂ = x·rstd,
@@ -21,10 +21,10 @@ import torch
 
 from backward_helpers import assert_grad_close
 from conftest import LOW_PRECISION, randn
-from kernels import DEVICE, qk_norm_rope
-from kernels import reference as ref
+from normbook import DEVICE, qk_norm_rope
+from normbook import reference as ref
 
-qk_mod = importlib.import_module("kernels.qk_norm_rope")
+qk_mod = importlib.import_module("normbook.qk_norm_rope")
 EPS = 1e-6
 
 

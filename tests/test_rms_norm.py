@@ -1,4 +1,4 @@
-"""kernels.rms_norm against the float64 reference (kernels.reference.rms_norm)."""
+"""normbook.rms_norm against the float64 reference (normbook.reference.rms_norm)."""
 
 import importlib
 import math
@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import LOW_PRECISION, UNIT_ROUNDOFF, assert_close_to_reference, randn, assert_rejected_before_launch
-from kernels import DEVICE, rms_norm
-from kernels import reference as ref
-from kernels._config import rms_split
+from normbook import DEVICE, rms_norm
+from normbook import reference as ref
+from normbook._config import rms_split
 
 SIZES = [1, 2, 7, 1000, 4097, 262147]
 
@@ -173,7 +173,7 @@ def test_split_rows_match_reference_and_do_not_depend_on_their_batch(dtype, pois
     would move 1/rms several-fold, far outside the tolerance. Row 1 alone and in the batch
     of 3 gets the same bits (y and the saved 1/rms): its sums are formed by its own
     programs, the same way at any M."""
-    rms_module = importlib.import_module("kernels.rms_norm")
+    rms_module = importlib.import_module("normbook.rms_norm")
     n = 8200  # the split is chosen from 512 KiB rows on; forced here, at interpreter size
     big = 512 * 1024 // dtype.itemsize
     assert rms_split(big, dtype.itemsize) and not rms_split(big - 1, dtype.itemsize)

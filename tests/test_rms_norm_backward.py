@@ -1,4 +1,4 @@
-"""The backward pass of kernels.rms_norm (Triton kernels behind torch.autograd) against the float64
+"""The backward pass of normbook.rms_norm (Triton kernels behind torch.autograd) against the float64
 reference differentiated by torch's autograd, and torch.autograd.gradcheck through the kernels."""
 
 import importlib
@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 
 from backward_helpers import NORM_BACKWARD_CASES, assert_grad_close
 from conftest import LOW_PRECISION, randn
-from kernels import rms_norm
-from kernels import reference as ref
+from normbook import rms_norm
+from normbook import reference as ref
 
-rms_mod = importlib.import_module("kernels.rms_norm")  # the module, not the function of the same name
+rms_mod = importlib.import_module("normbook.rms_norm")  # the module, not the function of the same name
 
 
 def rows_for(n):
@@ -222,7 +222,7 @@ def test_the_backward_cases_reach_every_path():
     """NORM_BACKWARD_CASES (backward_helpers) runs RMSNorm's paths: the single block, the
     column sweeps in every dtype, the split forward (fp32 at 262,147), the looped forward
     (fp16 and bf16 at 33,001)."""
-    from kernels._config import rms_config, rms_split
+    from normbook._config import rms_config, rms_split
 
     rows = {(p.values[0], p.values[1]) for p in NORM_BACKWARD_CASES}
     for dt in LOW_PRECISION:

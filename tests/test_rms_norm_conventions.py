@@ -1,4 +1,4 @@
-"""The casting conventions of kernels.rms_norm and kernels.fused_add_rms_norm (issue 13 §2).
+"""The casting conventions of normbook.rms_norm and normbook.fused_add_rms_norm (issue 13 §2).
 
 ``casting_mode`` decides where the result is rounded to the input dtype and ``offset`` shifts
 the weight (γ' = offset + γ). Each convention is checked against its float64 model with the
@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from conftest import LOW_PRECISION, UNIT_ROUNDOFF, assert_close_to_reference, randn
-from kernels import DEVICE, fused_add_rms_norm, rms_norm
-from kernels import reference as ref
+from normbook import DEVICE, fused_add_rms_norm, rms_norm
+from normbook import reference as ref
 
 MODES = ["llama", "gemma", "none"]
-rms_mod = importlib.import_module("kernels.rms_norm")
+rms_mod = importlib.import_module("normbook.rms_norm")
 
 
 def assert_within_ulps(got, model, dtype, ulps, min_equal):

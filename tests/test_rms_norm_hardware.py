@@ -2,10 +2,10 @@
 
 * Batch invariance: a row's outputs (y, and dx in the backward) have the same bits whatever
   the number of rows around it. The launch configuration is a function of N and the dtype only
-  (``kernels._config.rms_config`` takes no M), so on a GPU every row is reduced by the same
+  (``normbook._config.rms_config`` takes no M), so on a GPU every row is reduced by the same
   threads in the same order; here the interpreter checks the bits.
 * Partial-sum traffic of dγ, by byte count: at most 5 % of the bytes the backward must move
-  anyway, for every benchmark shape N = 4096 … 262,144 (M = 2**26 / N, kernels.bench) on the
+  anyway, for every benchmark shape N = 4096 … 262,144 (M = 2**26 / N, normbook.lab.bench) on the
   SM counts of an H100 (132), A100 (108) and T4 (40).
 """
 
@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from conftest import randn
-from kernels import fused_add_rms_norm, rms_norm
-from kernels._config import rms_config
-from kernels._reduce import MAX_PARTIAL_SHARE
+from normbook import fused_add_rms_norm, rms_norm
+from normbook._config import rms_config
+from normbook._reduce import MAX_PARTIAL_SHARE
 
-rms_mod = importlib.import_module("kernels.rms_norm")
+rms_mod = importlib.import_module("normbook.rms_norm")
 
 
 def test_configuration_does_not_depend_on_the_number_of_rows():

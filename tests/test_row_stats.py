@@ -1,6 +1,6 @@
-"""kernels.row_variance (two-pass, one-pass, Welford/Chan) against the float64 reference.
+"""normbook.row_variance (two-pass, one-pass, Welford/Chan) against the float64 reference.
 
-The reference is ``kernels.reference.mean`` / ``variance`` of the numbers actually stored in ``x``
+The reference is ``normbook.reference.mean`` / ``variance`` of the numbers actually stored in ``x``
 (upcast to float64, two passes). For every row used here float64 two-pass is exact to far below
 the tolerances: its own relative error is about (log2 n)·2**-53·(1 + (κ·log2 n·2**-53)²), and
 ``test_float64_reference_agrees_with_mpmath`` checks it against 60-digit arithmetic at κ = 1e7.
@@ -34,9 +34,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import LOW_PRECISION, randn, assert_rejected_before_launch
-from kernels import DEVICE, layer_norm, row_variance
-from kernels import reference as ref
-from kernels._config import row_config
+from normbook import DEVICE, layer_norm, row_variance
+from normbook import reference as ref
+from normbook._config import row_config
 
 SIZES = [1, 2, 7, 1000, 4097, 262147]
 METHODS = ["two_pass", "one_pass", "welford"]

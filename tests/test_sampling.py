@@ -1,4 +1,4 @@
-"""kernels.sample against the exact filtered distribution (kernels.reference.sampling_probs).
+"""normbook.sample against the exact filtered distribution (normbook.reference.sampling_probs).
 
 Statistics with fixed seeds: every test here is deterministic. The chi-square tests use a
 significance level of 1e-3 each: were the seeds random, a correct sampler would fail one of them
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from conftest import LOW_PRECISION, assert_rejected_before_launch
-from kernels import DEVICE, sample
-from kernels import reference as ref
-from kernels import sampling
+from normbook import DEVICE, sample
+from normbook import reference as ref
+from normbook import sampling
 
 ALPHA = 1e-3
 DRAWS = 8192

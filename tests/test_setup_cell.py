@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 import sync_setup_cells  # noqa: E402
 
 CFG = yaml.safe_load((ROOT / "_config.yml").read_text())
-PIP = f"llm-norm-kernels[book] @ git+{CFG['repository']['url'].rstrip('/')}@{CFG['repository']['branch']}"
+PIP = f"normbook[book] @ git+{CFG['repository']['url'].rstrip('/')}@{CFG['repository']['branch']}"
 
 
 def run_setup(tmp_path, before: str = ""):
@@ -66,7 +66,7 @@ def test_setup_cell_runs_outside_the_repository(tmp_path):
     assert not [o for o in cell.outputs if o.get("name") == "stderr"], cell.outputs
 
 
-@pytest.mark.parametrize("missing", [["kernels"], ["matplotlib", "plotly"]])
+@pytest.mark.parametrize("missing", [["normbook"], ["matplotlib", "plotly"]])
 def test_missing_package_names_the_commands(tmp_path, missing):
     block = "import sys\n" + "".join(f"sys.modules[{m!r}] = None\n" for m in missing)
     err = error_of(run_setup(tmp_path, block))
@@ -84,26 +84,39 @@ def test_failed_install_in_colab_is_reported_as_such(tmp_path):
     fake_colab = ("import sys, types, shutil\n"
                   "sys.modules['google'] = types.ModuleType('google')\n"
                   "sys.modules['google.colab'] = types.ModuleType('google.colab')\n"
-                  "sys.modules['kernels'] = None\n"
+                  "sys.modules['normbook'] = None\n"
                   "_real_executable, sys.executable = sys.executable, shutil.which('false')\n")
     err = error_of(run_setup(tmp_path, fake_colab))
     assert err.ename == "RuntimeError"
     assert "Installing this book's packages failed" in err.evalue
     assert f'%pip install "{PIP}"' in err.evalue
     # not the bare error the reader used to get instead
-    assert "No module named 'kernels'" not in err.evalue
+    assert "No module named 'normbook'" not in err.evalue
 
 
 def test_missing_book_extra_is_listed_from_pyproject():
-    assert sync_setup_cells.book_modules()[:1] == ["kernels"]
+    assert sync_setup_cells.book_modules()[:1] == ["normbook"]
     assert {"sympy", "matplotlib", "transformers", "plotly"} <= set(sync_setup_cells.book_modules())
 
 
-def test_the_wheel_holds_every_kernels_package():
-    """A Colab reader gets the package from a wheel built from pyproject.toml, which lists its
-    packages: a subpackage missing there (kernels.bench once was) is missing in Colab only."""
-    import tomllib
+def test_the_wheel_holds_every_package():
+    """A Colab reader gets the package from a wheel built from pyproject.toml: a subpackage
+    missing there (normbook.lab.bench once was) is missing in Colab only. The wheel holds
+    every package under kernels/ and nothing else at the top level than ``normbook`` (no
+    ``kernels``, the name of Hugging Face's package)."""
+    import subprocess
+    import sys
+    import tempfile
+    import zipfile
 
-    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    present = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "kernels").rglob("__init__.py")}
-    assert present <= listed, f"pyproject.toml's packages lack {sorted(present - listed)}"
+    with tempfile.TemporaryDirectory() as out:
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                        "-q", "-w", out, str(ROOT)], check=True, capture_output=True)
+        (wheel,) = pathlib.Path(out).glob("*.whl")
+        names = zipfile.ZipFile(wheel).namelist()
+    packages = {".".join(pathlib.PurePath(n).parent.parts) for n in names if n.endswith("/__init__.py")}
+    present = {".".join(p.parent.relative_to(ROOT / "kernels").parts)
+               for p in (ROOT / "kernels").rglob("__init__.py")}
+    assert packages == present, f"the wheel's packages {sorted(packages)} != {sorted(present)}"
+    tops = {pathlib.PurePath(n).parts[0] for n in names if ".dist-info" not in n}
+    assert tops == {"normbook"}, tops

@@ -1,4 +1,4 @@
-"""kernels.softmax, forward and backward, against the float64 reference (kernels.reference) and
+"""normbook.softmax, forward and backward, against the float64 reference (normbook.reference) and
 torch.softmax.
 
 Tolerances. The forward computes exp(x - m) and the sum in fp32 on the rounded input and rounds
@@ -24,10 +24,10 @@ from hypothesis import strategies as st
 
 from conftest import (LOW_PRECISION, UNIT_ROUNDOFF, assert_close_to_reference,
                       assert_rejected_before_launch, norm_tolerance, randn)
-from kernels import DEVICE, softmax
-from kernels import reference as ref
+from normbook import DEVICE, softmax
+from normbook import reference as ref
 
-sm_mod = importlib.import_module("kernels.softmax")  # the module, not the function
+sm_mod = importlib.import_module("normbook.softmax")  # the module, not the function
 # 4097: one block with padding; 20000: fp32 loops (80 KB row), fp16/bf16 one block;
 # 262147: every dtype loops over 64+ blocks.
 SIZES = [1, 7, 1000, 4097, 20000, 262147]

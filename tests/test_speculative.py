@@ -1,11 +1,11 @@
-"""kernels.speculative_sample: exact (chi-square against p), the acceptance rate Σ min(p, q),
+"""normbook.speculative_sample: exact (chi-square against p), the acceptance rate Σ min(p, q),
 q = p accepts everything, reproducible, and bad arguments refused."""
 
 import pytest
 import torch
 from conftest import on_cpu
-from kernels import DEVICE, speculative_sample
-from kernels import reference as ref
+from normbook import DEVICE, speculative_sample
+from normbook import reference as ref
 
 V = 6
 

@@ -1,4 +1,4 @@
-"""kernels.swiglu = silu(gate)·up, forward and backward, against float64 (kernels.reference).
+"""normbook.swiglu = silu(gate)·up, forward and backward, against float64 (normbook.reference).
 
 Tolerances. Inputs are rounded to their dtype first and the float64 reference reads the same
 rounded values, so only the kernel's arithmetic and its one final rounding count:
@@ -25,10 +25,10 @@ import torch.nn.functional as F
 
 from conftest import (LOW_PRECISION, UNIT_ROUNDOFF, assert_rejected_before_launch, on_cpu,
                       randn)
-from kernels import DEVICE, swiglu
-from kernels import reference as ref
+from normbook import DEVICE, swiglu
+from normbook import reference as ref
 
-sw_mod = importlib.import_module("kernels.swiglu")
+sw_mod = importlib.import_module("normbook.swiglu")
 SHAPES = [(1,), (3, 5, 7), (4, 5000), (2, 3, 129)]
 
 

@@ -1,4 +1,4 @@
-"""Argument checks about devices (kernels._validate, kernels._runtime.device_guard).
+"""Argument checks about devices (normbook._validate, normbook._runtime.device_guard).
 
 On a CPU machine no second device exists, so these use the ``meta`` device (a real torch device
 that is not the kernels' device) and, for device *indices*, stand-ins that carry only a
@@ -9,8 +9,8 @@ import types
 import pytest
 import torch
 
-import kernels
-from kernels import DEVICE, _runtime, _validate
+import normbook
+from normbook import DEVICE, _runtime, _validate
 from conftest import assert_rejected_before_launch
 
 
@@ -43,16 +43,16 @@ def test_device_guard_selects_the_tensors_own_device():
 
 def test_an_input_on_another_device_type_is_rejected_before_launch(monkeypatch):
     x = torch.empty(4, 8, device="meta")
-    assert_rejected_before_launch(monkeypatch, "rms_norm", lambda: kernels.rms_norm(x), ValueError,
+    assert_rejected_before_launch(monkeypatch, "rms_norm", lambda: normbook.rms_norm(x), ValueError,
                                   f"x is on meta, but the kernels run on {DEVICE.type}")
 
 
 def test_a_weight_on_another_device_is_rejected_naming_both(monkeypatch):
     x = torch.randn(4, 8, device=DEVICE)
     w = torch.empty(8, device="meta")
-    assert_rejected_before_launch(monkeypatch, "rms_norm", lambda: kernels.rms_norm(x, w), ValueError,
+    assert_rejected_before_launch(monkeypatch, "rms_norm", lambda: normbook.rms_norm(x, w), ValueError,
                                   f"weight is on meta but x is on {x.device}")
     r = torch.empty(4, 8, device="meta")
     assert_rejected_before_launch(monkeypatch, "fused_add_rms_norm",
-                                  lambda: kernels.fused_add_rms_norm(x, r, torch.ones(8, device=DEVICE)),
+                                  lambda: normbook.fused_add_rms_norm(x, r, torch.ones(8, device=DEVICE)),
                                   ValueError, "residual is on meta")

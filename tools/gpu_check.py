@@ -4,10 +4,10 @@ It runs with the machine's own Python (no venv, no pip index, no network), each 
 wall-clock budget with a hard stop (its process group is killed), in order of value:
 
 0. wheels    install the wheels carried in .whl/ (`make gpu-wheels`) into /tmp/site, no index;
-1. bench     `python -m kernels.bench --plan gpu-day`: copy bandwidth, then the headline shapes of
-             every kernel against eager PyTorch, then torch.compile (kernels/bench/plan.py);
+1. bench     `python -m normbook.lab.bench --plan gpu-day`: copy bandwidth, then the headline shapes of
+             every kernel against eager PyTorch, then torch.compile (kernels/normbook/lab/bench/plan.py);
 2. tests     the kernel tests on the GPU, in parallel (pytest-xdist), not the book's or browser's;
-3. inspect   `python -m kernels.inspect` for this GPU's architecture at the measured shapes, and
+3. inspect   `python -m normbook.lab.inspector` for this GPU's architecture at the measured shapes, and
              the table of measured against predicted fractions of the copy bandwidth;
 4. chapters  every chapter executed on the GPU, if the wheels (nbclient, ipykernel, ...) are
              there, in whatever is left of the total budget.
@@ -74,7 +74,7 @@ DRY_TESTS = ["tests/test_validate.py"]
 #: The dry run's inspector: one kernel's variants (the first compile takes seconds each here).
 DRY_INSPECT_CALLS = ("rms_norm",)
 #: Benchmarked but not a call of the inspector: linear_cross_entropy's own launches are
-#: cross_entropy's kernels between cuBLAS products (kernels/inspect.py's _calls).
+#: cross_entropy's kernels between cuBLAS products (kernels/normbook/lab/inspector.py's _calls).
 NOT_INSPECTED = {"linear_cross_entropy"}
 #: What executing the chapters needs beyond the GPU machine's own packages.
 CHAPTER_MODULES = ("nbformat", "nbclient", "ipykernel", "plotly")
@@ -212,7 +212,7 @@ class Run:
         self.env.pop("OUT", None)  # no child writes into $OUT behind our back
         # The package is not installed there: every step (the chapters' kernels, which run in
         # book/, too) imports it from the repository.
-        self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [self.env.get("PYTHONPATH"), str(ROOT)]))
+        self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [self.env.get("PYTHONPATH"), str(ROOT / "kernels")]))
         self.summary: dict = {}
 
     # -- files
@@ -404,7 +404,7 @@ def _wheels(run: Run) -> None:
 
 def _bench(run: Run) -> dict:
     budget = run.budgets["bench"]
-    cmd = [sys.executable, "-m", "kernels.bench", "--plan", "gpu-day", "--out", str(run.out),
+    cmd = [sys.executable, "-m", "normbook.lab.bench", "--plan", "gpu-day", "--out", str(run.out),
            "--deadline-s", str(_soft(budget, "bench"))]
     if run.dry_run:
         cmd.append("--smoke")
@@ -469,7 +469,7 @@ def _junit_counts(xml: pathlib.Path) -> dict | None:
 
 def _inspect(run: Run, bench: dict, device: dict) -> None:
     budget = run.budgets["inspect"]
-    plan = _load_by_path("kernels_bench_plan_for_gpu_check", ROOT / "kernels" / "bench" / "plan.py")
+    plan = _load_by_path("normbook_bench_plan_for_gpu_check", ROOT / "kernels" / "normbook" / "lab" / "bench" / "plan.py")
     per_call: dict[str, list] = {}
     for entry in plan.PLANS["gpu-day"]:
         kernel = entry.case.split(".")[0]
@@ -486,7 +486,7 @@ def _inspect(run: Run, bench: dict, device: dict) -> None:
     prov = bench.get("provenance", {})
     dtype = prov.get("dtype") or ("bfloat16" if run.dry_run or arch >= 80 else "float16")
     dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype)
-    cmd = [sys.executable, "-m", "kernels.inspect", "--arch", str(arch), "--dtypes", dtype,
+    cmd = [sys.executable, "-m", "normbook.lab.inspector", "--arch", str(arch), "--dtypes", dtype,
            "--call-shapes", spec, "--json", str(target),
            "--timeout-s", str(_soft(budget, "inspect"))]
     if bench.get("copy", {}).get("GB/s") and not run.dry_run:
@@ -495,7 +495,7 @@ def _inspect(run: Run, bench: dict, device: dict) -> None:
         cmd += ["--sms", str(device["sm_count"]), "--gpu-name", str(device["gpu"])]
     record = run.step("inspect", cmd, budget)
     if target.exists() and run.bench_json() is not None:
-        inspect = _load_by_path("kernels_inspect_for_gpu_check", ROOT / "kernels" / "inspect.py")
+        inspect = _load_by_path("normbook_inspector_for_gpu_check", ROOT / "kernels" / "normbook" / "lab" / "inspector.py")
         table = inspect.measured_vs_predicted(json.loads(run.bench_json().read_text()),
                                               json.loads(target.read_text()))
         _write_json(run.out / "measured_vs_predicted.json", table)
@@ -529,7 +529,7 @@ def _chapters(run: Run) -> None:
 
 
 def _load_by_path(name: str, path: pathlib.Path):
-    """A module of this repository without importing the ``kernels`` package (and torch)."""
+    """A module of this repository without importing the ``normbook`` package (and torch)."""
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module

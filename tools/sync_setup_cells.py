@@ -17,12 +17,12 @@ TAGS = ["setup", "remove-input"]
 
 
 def book_modules() -> list[str]:
-    """What a chapter imports beyond the standard library: ``kernels`` and the ``book`` extra of
+    """What a chapter imports beyond the standard library: ``normbook`` and the ``book`` extra of
     pyproject.toml (distribution names that are also the module names)."""
     text = (ROOT / "pyproject.toml").read_text()
     extra = re.search(r"^book\s*=\s*\[(.*?)\]", text, re.M | re.S).group(1)
     names = [re.match(r"[A-Za-z0-9_.-]+", d).group(0) for d in re.findall(r'"([^"]+)"', extra)]
-    return ["kernels"] + [n.lower().replace("-", "_") for n in names]
+    return ["normbook"] + [n.lower().replace("-", "_") for n in names]
 
 
 def pip_target() -> str:
@@ -30,13 +30,13 @@ def pip_target() -> str:
     cfg = yaml.safe_load((ROOT / "_config.yml").read_text())
     url = cfg["repository"]["url"].rstrip("/")
     branch = cfg["repository"].get("branch", "main")
-    return f"llm-norm-kernels[book] @ git+{url}@{branch}"
+    return f"normbook[book] @ git+{url}@{branch}"
 
 
-# The cell runs before `kernels` can be imported, so its checks live here, not in kernels/.
+# The cell runs before `normbook` can be imported, so its checks live here, not in kernels/.
 # It stays within 88 columns, like every chapter cell.
 TEMPLATE = """\
-# Set-up. In Colab it installs this book's `kernels` package. Anywhere, it checks that
+# Set-up. In Colab it installs this book's `normbook` package. Anywhere, it checks that
 # what the chapter imports is installed, else stops with the command that installs it.
 # Then it picks the device (a CUDA GPU, else Triton's interpreter) and a dtype.
 import importlib.util, subprocess, sys
@@ -62,7 +62,7 @@ if _missing():
         "(no GPU? first the small CPU torch: pip install torch --index-url "
         "https://download.pytorch.org/whl/cpu)\\n"
         "then restart the kernel and run this cell again.")
-from kernels.notebook import setup
+from normbook.lab.notebook import setup
 DEVICE, DTYPE = setup()"""
 
 

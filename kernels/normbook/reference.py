@@ -428,14 +428,14 @@ def attention_backward(q, k, v, do, causal=False, scale=None, window=None):
 # ---------------------------------------------------------------- sampling
 
 def sampling_probs(logits, temperature=1.0, top_k=None, top_p=None, min_p=None):
-    r"""The exact distribution ``kernels.sample`` draws from, in float64, one row per
+    r"""The exact distribution ``normbook.sample`` draws from, in float64, one row per
     last dim.
 
     z = (x − max x)/T and p ∝ e^z, restricted in Hugging Face's order to the tokens kept
     by top-k (z_i ≥ the k-th largest z; ties kept), then top-p over the renormalized
     top-k set (keep i iff Σ_{j kept: z_j > z_i} p_j < (1 − TOP_P_SLACK)·top_p; ties kept
     together), then min-p (p_i ≥ min_p · p_max ⇔ z_i ≥ ln min_p); renormalized. T = 0:
-    all mass on the first argmax. The slack (2⁻¹⁶, kernels.sampling.TOP_P_SLACK) counts
+    all mass on the first argmax. The slack (2⁻¹⁶, normbook.sampling.TOP_P_SLACK) counts
     a mass within rounding of top_p as having reached it; without ties and outside that
     band, Hugging Face's TopPLogitsWarper (cumulative sum ascending, drop where it is ≤
     1 − top_p) keeps the same set.

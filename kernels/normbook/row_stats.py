@@ -15,7 +15,7 @@ methods:
 - ``"welford"``: one read, and as accurate as two passes. Each lane of the tile keeps a
   (mean, M2, count) summary of the elements it has seen (Welford's update, one block of
   the row at a time); the lanes' summaries are then merged pairwise with Chan et al.'s
-  formula (:func:`kernels._triton_utils.chan_combine`), the combine step of a block
+  formula (:func:`normbook._triton_utils.chan_combine`), the combine step of a block
   reduction.
 
 Arithmetic is fp32 (fp64 for fp64 input). For the book's demonstration,
@@ -306,7 +306,7 @@ def row_variance(x: torch.Tensor, method: str = "welford",
     function shows how the statistics are accumulated (and how an emulated low-precision
     accumulator fails); the gradient of an emulated rounding is not a quantity anyone
     should train with, and the layers that need these statistics differentiate through
-    them in their own backward (:func:`kernels.layer_norm`). Pass ``x.detach()``, or use
+    them in their own backward (:func:`normbook.layer_norm`). Pass ``x.detach()``, or use
     ``torch.var_mean`` to differentiate.
 
     Raises:

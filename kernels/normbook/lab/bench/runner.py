@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from .. import timing
-from .._runtime import DEVICE, INTERPRET, default_dtype, device_name
+from normbook._runtime import DEVICE, INTERPRET, default_dtype, device_name
 from .cases import (CASES, DATA_DIR, DECODE_M, DECODE_N, DO_BENCH, ELEMENTS, PROVIDERS,
                     ROOT, SMOKE_DECODE,
                     SMOKE_ELEMENTS, SMOKE_SWEEP, SWEEP, WALL_CLOCK, Case, Problem, Skip)
@@ -119,7 +119,7 @@ def provenance(argv: list[str], smoke: bool, dtype: torch.dtype) -> dict:
         "liger_kernel": None,
         "python": platform.python_version(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python -m kernels.bench" + ("" if not argv
+        "command": "python -m normbook.lab.bench" + ("" if not argv
                                                 else " " + shlex.join(argv)),
         "git_commit": git("rev-parse", "HEAD"),
         "git_dirty": None,
@@ -192,7 +192,7 @@ def run_problem(case: Case, problem: Problem, M: int, N: int, providers: list[st
     except Exception:
         want = None
     for provider in providers:
-        if provider == "kernels":
+        if provider == "normbook":
             fn = problem.ours
         elif provider == "torch eager":
             fn = problem.formula
@@ -290,7 +290,7 @@ def run_plan(
     on_rows=None,
     deadline: float | None = None,
 ):
-    """The trimmed benchmark (:mod:`kernels.bench.plan`): every entry at its shapes for
+    """The trimmed benchmark (:mod:`normbook.lab.bench.plan`): every entry at its shapes for
     every provider but torch.compile, in the plan's order; then torch.compile at each
     entry's ``compile_at`` shapes. ``on_rows(rows)`` is called after every shape (the
     caller writes the files then: a stop keeps what was measured). ``deadline``
@@ -303,7 +303,7 @@ def run_plan(
     rows: list[dict] = []
     skipped: set[str] = set()
     first = [p for p in providers if p != "torch.compile"]
-    passes = [("kernels and eager", first, False)]
+    passes = [("normbook and eager", first, False)]
     if "torch.compile" in providers:
         passes.append(("torch.compile", ["torch.compile"], True))
     for pass_name, provs, second in passes:
@@ -317,7 +317,7 @@ def run_plan(
                             Case(kernel, direction, None),
                             "all",
                             status="skipped",
-                            note=f"no case {entry.case!r} in kernels.bench.cases.CASES",
+                            note=f"no case {entry.case!r} in normbook.lab.bench.cases.CASES",
                         )
                     )
                     log(f"{entry.case:<28} skipped: not a case")
@@ -329,7 +329,7 @@ def run_plan(
             ):
                 if deadline is not None and time.monotonic() > deadline:
                     cut = f"budget reached before {case.name} M={M} N={N} ({pass_name})"
-                    log(f"kernels.bench: {cut}")
+                    log(f"normbook.lab.bench: {cut}")
                     return rows, cut
                 regime = "decode" if M <= 64 else "sweep"
                 try:
@@ -403,7 +403,7 @@ def format_row(r: dict) -> str:
 # ---------------------------------------------------------------- command line
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="python -m kernels.bench",
+    ap = argparse.ArgumentParser(prog="python -m normbook.lab.bench",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes, any device, results to a temporary folder")
@@ -430,7 +430,7 @@ def parse_args(argv):
                     help="size of the copy that measures the bandwidth, MiB (default "
                     "256)")
     ap.add_argument("--plan",
-                    help="a trimmed plan of kernels/bench/plan.py instead of the "
+                    help="a trimmed plan of kernels/normbook/lab/bench/plan.py instead of the "
                     "sweep, e.g. gpu-day")
     ap.add_argument("--deadline-s", type=float,
                     help="start no new shape after this many seconds (the files say "
@@ -516,10 +516,10 @@ def main(argv: list[str] | None = None, log=print) -> dict:
     log(f"wrote {json_path} and {csv_path.name}")
     # Loudly: every failed row on stderr, and in the JSON's "errors" section.
     for r in errors:
-        print(f"kernels.bench ERROR: {format_row(r)}", file=sys.stderr)
+        print(f"normbook.lab.bench ERROR: {format_row(r)}", file=sys.stderr)
     bad = failing(errors)
     if errors:
-        print(f"kernels.bench: {len(errors)} row(s) failed, {len(bad)} of them ours or "
+        print(f"normbook.lab.bench: {len(errors)} row(s) failed, {len(bad)} of them ours or "
               "PyTorch's "
               f"(see 'errors' in {json_path})", file=sys.stderr)
     return {"provenance": prov, "copy": copy, "results": rows, "errors": errors,
@@ -577,7 +577,7 @@ def _main_plan(
     json_path, csv_path = save(rows, complete=cut is None, cut=cut)
     log(f"wrote {json_path} and {csv_path.name}" + (f" (cut: {cut})" if cut else ""))
     for r in errors:
-        print(f"kernels.bench ERROR: {format_row(r)}", file=sys.stderr)
+        print(f"normbook.lab.bench ERROR: {format_row(r)}", file=sys.stderr)
     bad = failing(errors)
     return {
         "provenance": prov,
@@ -592,6 +592,6 @@ def _main_plan(
 
 
 def cli() -> int:
-    """``python -m kernels.bench``: exit status 1 when a row of ours or PyTorch's
+    """``python -m normbook.lab.bench``: exit status 1 when a row of ours or PyTorch's
     failed."""
     return 1 if main()["failed"] else 0

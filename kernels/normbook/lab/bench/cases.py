@@ -21,9 +21,10 @@ import torch
 
 from .. import timing
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-# $KERNELS_BENCH_DIR: read recorded runs from there instead (the tests' fixture).
-DATA_DIR = pathlib.Path(os.environ.get("KERNELS_BENCH_DIR") or ROOT / "data" / "bench")
+from ..paths import DATA, REPO as ROOT
+
+# $NORMBOOK_BENCH_DIR: read recorded runs from there instead (the tests' fixture).
+DATA_DIR = pathlib.Path(os.environ.get("NORMBOOK_BENCH_DIR") or DATA / "bench")
 
 SWEEP = [256 * 2**i for i in range(11)]  # 256 … 262,144
 # elements per row-sized tensor: M = ELEMENTS // N rows
@@ -41,7 +42,7 @@ SMOKE_DECODE = [(1, 1024)]         # the smoke run's decode shape: one row
 # decode_attention in the inspector: cached tokens per row
 DECODE_CACHE = 4096
 DECODE_PAGE = 16                   # and its paged cache's block size (vLLM's default)
-PROVIDERS = ["kernels", "torch eager", "torch.compile", "liger"]
+PROVIDERS = ["normbook", "torch eager", "torch.compile", "liger"]
 DO_BENCH = ("triton.testing.do_bench (warm-up, median of many runs, "
             "L2 flushed before each)")
 WALL_CLOCK = ("wall clock in Triton's CPU interpreter "
@@ -102,10 +103,10 @@ class Case:
 def _kernel(name: str):
     """``kernels.<name>``, or Skip when that kernel has not been written yet."""
     try:
-        module = importlib.import_module("kernels")
+        module = importlib.import_module("normbook")
         return getattr(module, name)
     except (ImportError, AttributeError) as exc:
-        raise Skip(f"kernels.{name} does not exist yet ({type(exc).__name__})") from exc
+        raise Skip(f"normbook.{name} does not exist yet ({type(exc).__name__})") from exc
 
 
 def _liger(module: str, attr: str):
@@ -431,7 +432,7 @@ CASES = [
     Case("sample", "forward", build_sample),
     Case("decode_attention", "forward", build_decode_attention,
          shapes=decode_attention_shapes),
-    # the GPU day (kernels/bench/plan.py)
+    # the GPU day (kernels/normbook/lab/bench/plan.py)
     Case("fused_add_rms_norm", "backward",
          lambda M, N, dt, dev: build_fused_add_rms_norm(M, N, dt, dev, True),
          "backward"),
@@ -488,13 +489,13 @@ LCE_SHAPE = (8192, 151_936, 4096)
 def measure_linear_cross_entropy(timer, device, dtype=torch.bfloat16, shape=LCE_SHAPE):
     """Forward + backward of the LM-head loss at ``shape`` = (M, V, d), three ways: this
     package's ``linear_cross_entropy``, the materialized ``F.linear`` +
-    ``kernels.cross_entropy``, and Liger's fused linear cross-entropy when installed.
+    ``normbook.cross_entropy``, and Liger's fused linear cross-entropy when installed.
     One row each: time (``timer`` of a zero-argument callable, ms), the peak memory
     beyond inputs and gradients (on a GPU ``torch.cuda.max_memory_allocated``; on the
     CPU the largest storage an op allocated, labelled so), both against the logits'
     size, and the loss against the materialized one."""
-    import kernels
-    from kernels.linear_cross_entropy import largest_intermediate
+    import normbook
+    from normbook.linear_cross_entropy import largest_intermediate
 
     M, V, d = shape
     h = _rand(M, d, dtype=dtype, device=device).requires_grad_()
@@ -505,10 +506,10 @@ def measure_linear_cross_entropy(timer, device, dtype=torch.bfloat16, shape=LCE_
     grads_bytes = (M + V) * d * e
 
     def materialized(h, w, t):
-        return kernels.cross_entropy(torch.nn.functional.linear(h, w), t)
+        return normbook.cross_entropy(torch.nn.functional.linear(h, w), t)
 
-    providers = {"kernels": kernels.linear_cross_entropy,
-                 "F.linear + kernels.cross_entropy":
+    providers = {"normbook": normbook.linear_cross_entropy,
+                 "F.linear + normbook.cross_entropy":
                  materialized}
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss

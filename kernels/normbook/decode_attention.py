@@ -293,7 +293,7 @@ def _check(q, k_cache, v_cache, cache_seqlens, block_table, scale, window):
                              f"got {window}")
         window = int(window)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
-        raise NotImplementedError("kernels.decode_attention has no backward: q, "
+        raise NotImplementedError("normbook.decode_attention has no backward: q, "
                                   "k_cache or v_cache requires grad (decoding needs "
                                   "none; detach them)")
     return scale, window, capacity
@@ -383,14 +383,14 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
             ``[0, capacity]``. Query ``i`` (position ``n_b - S_q + i``) sees keys up to
             its own position (causal, bottom-right); a query at a negative position
             (``n_b < S_q``, e.g. an empty row) sees no key and outputs **0**, as
-            ``kernels.attention``'s fully masked rows do.
+            ``normbook.attention``'s fully masked rows do.
         block_table: ``None`` (contiguous) or ``(B, max_blocks)`` int32: row ``b``'s
             key ``j`` is in block ``block_table[b, j // block_size]``, slot
             ``j % block_size``. Only the entries of a row's first
             ``ceil(n_b / block_size)`` blocks are read.
         scale: multiplies the scores; default ``1/sqrt(D)``.
         window: each query sees at most ``window`` keys, itself and the ``window - 1``
-            before (Mistral's sliding window, as ``kernels.attention``).
+            before (Mistral's sliding window, as ``normbook.attention``).
 
     Returns ``(B, H, S_q, D)`` in q's dtype. Scores and softmax state in fp32,
     probabilities rounded to the cache's dtype before multiplying V (as FlashAttention).

@@ -4,7 +4,7 @@ Importing this package picks where kernels run: a CUDA GPU when one is present,
 otherwise Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1`` is set before any
 kernel is defined).
 
-Every kernel is checked against the float64 formulas in :mod:`kernels.reference`.
+Every kernel is checked against the float64 formulas in :mod:`normbook.reference`.
 """
 
 # noqa: F401  (first: sets the interpreter)
@@ -34,9 +34,9 @@ __all__ = [
 
 
 def __getattr__(name):
-    # kernels.hf (the transformers integration) loads on first use, so that
-    # ``import kernels; kernels.hf.patch(model)`` works while ``import kernels`` alone
-    # imports no transformers (kernels.hf itself imports it only when patching).
+    # normbook.hf (the transformers integration) loads on first use, so that
+    # ``import normbook; normbook.hf.patch(model)`` works while ``import normbook`` alone
+    # imports no transformers (normbook.hf itself imports it only when patching).
     if name == "hf":
         import importlib
 

@@ -14,7 +14,7 @@ One program normalizes ``BLOCK_M`` rows. The variance is never formed as
   squared deviations from it are summed over the registers (two passes, one read);
 - a wider row is read block by block; each block is summarized exactly as above by its
   (mean, M2, count), and the summaries are merged with Chan et al.'s formula
-  (:func:`kernels._triton_utils.chan_combine`). The row is read a second time to write
+  (:func:`normbook._triton_utils.chan_combine`). The row is read a second time to write
   the output, in reverse block order, so that the blocks the first pass read last, the
   likeliest to be still in L2, are read first. (Reading the row only once would need the
   whole row's statistics before its first output: the row held on chip across a cluster
@@ -39,7 +39,7 @@ row):
 Rows up to 8 KB take one kernel (x and dy read once). Wider rows take two: every row's
 two dot products first, then a sweep over column blocks that writes dx and keeps dγ, dβ
 in registers. Either way dγ and dβ are reduced over rows deterministically in two stages
-(see :mod:`kernels._reduce`), each partial sum written once, and the number of partial
+(see :mod:`normbook._reduce`), each partial sum written once, and the number of partial
 rows bounded (:func:`backward_plan`) so that they move at most 5 % of the backward's
 essential bytes.
 """
@@ -416,7 +416,7 @@ def _backward(dy2d, x2d, weight, bias, mean, rstd, compute_dw: bool, compute_db:
     keeps dγ, dβ in registers. Wider rows: first every row's two dot products (one
     kernel, one row per program), then a (G, column blocks) grid writes dx and keeps dγ,
     dβ per column block in registers. Either way each partial sum is written once, and
-    :func:`kernels._reduce.sum_partials` adds the G rows in a fixed order
+    :func:`normbook._reduce.sum_partials` adds the G rows in a fixed order
     (deterministic); G is bounded by :func:`backward_plan`.
     """
     M, N = x2d.shape

@@ -1,7 +1,7 @@
 """The benchmark behind the chapter "At the speed of light".
 
-    python -m kernels.bench                 # on a CUDA GPU: the full sweep, results
-    into data/bench/ python -m kernels.bench --smoke         # anywhere: the same code
+    python -m normbook.lab.bench                 # on a CUDA GPU: the full sweep, results
+    into data/bench/ python -m normbook.lab.bench --smoke         # anywhere: the same code
     path, tiny shapes, a temp folder
 
 It measures the device-to-device copy bandwidth (the memory-bound speed of light), then
@@ -29,7 +29,7 @@ reader mistakes them for GPU figures. A full run without a GPU is refused.
 
 A row that fails (a provider raising, or a result that does not match eager PyTorch) is
 printed on stderr, listed under ``"errors"`` in the JSON, and makes ``python -m
-kernels.bench`` exit with status 1 (unless only Liger failed). Modules: :mod:`.cases`
+normbook.lab.bench`` exit with status 1 (unless only Liger failed). Modules: :mod:`.cases`
 (shapes, bytes, providers), :mod:`.runner` (timing, checks, command line),
 :mod:`.report` (files, reading runs back).
 """

@@ -1,11 +1,11 @@
 """What the compiler made of each kernel: registers, spills, load widths, occupancy,
 without a GPU.
 
-    python -m kernels.inspect                  # sm_90 (H100/H200), the table on stdout
-    python -m kernels.inspect --arch 80        # sm_80 (A100); 75: sm_75 (T4)
-    python -m kernels.inspect --arch 90 --json table.json
+    python -m normbook.lab.inspector                  # sm_90 (H100/H200), the table on stdout
+    python -m normbook.lab.inspector --arch 80        # sm_80 (A100); 75: sm_75 (T4)
+    python -m normbook.lab.inspector --arch 90 --json table.json
 
-Every public function of the package is called at the benchmark's shapes (kernels.bench:
+Every public function of the package is called at the benchmark's shapes (normbook.lab.bench:
 N = 256 … 262,144, M·N = 2**26) and at decode shapes (M = 1, 8, 64 rows of N = 4096 and
 8192), forward and backward, in fp32, fp16 and bf16. Instead of running, each kernel
 launch is lowered by Triton's
@@ -28,10 +28,10 @@ efficiency), not a measurement.
 
 Faking CUDA changes torch for the whole process, so the work runs in child processes,
 at most one per core, which share the (architecture, dtype) units between them
-(:func:`run_inspector`; :func:`inspect_variants` and ``python -m kernels.inspect`` call
+(:func:`run_inspector`; :func:`inspect_variants` and ``python -m normbook.lab.inspector`` call
 it). Results of a
-compiled variant are cached on disk (``KERNELS_INSPECT_CACHE``, default
-``~/.cache/kernels-inspect``), keyed by Triton's version, the kernel's source hash, its
+compiled variant are cached on disk (``NORMBOOK_INSPECT_CACHE``, default
+``~/.cache/normbook-inspect``), keyed by Triton's version, the kernel's source hash, its
 specialization, options and target.
 
 What the compiler reported for every variant of the test suite's table (:func:`survey`,
@@ -39,13 +39,13 @@ about 2,800 variants for three GPUs) is also recorded in the repository,
 ``data/inspect/variants.jsonl`` (:data:`RECORDED`), under the same keys, without the
 PTX: a new machine reads it instead of compiling them all (half an hour on two cores).
 A key names Triton's version and every kernel's source, so an edited kernel or another
-Triton misses and is compiled. ``python -m kernels.inspect --record`` writes the table
+Triton misses and is compiled. ``python -m normbook.lab.inspector --record`` writes the table
 again; the tests check that it covers the survey, and compile a random sample of it
 from nothing on every run (:func:`verify_recorded`): it must still say what the
 compiler says.
 
-This module imports neither torch nor ``kernels`` at the top: the child loads it by file
-path, fakes CUDA and only then imports ``kernels``.
+This module imports neither torch nor ``normbook`` at the top: the child loads it by file
+path, fakes CUDA and only then imports ``normbook``.
 """
 
 from __future__ import annotations
@@ -65,12 +65,17 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-CACHE = pathlib.Path(os.environ.get("KERNELS_INSPECT_CACHE",
-                                    pathlib.Path.home() / ".cache" / "kernels-inspect"))
-#: The recorded table (see the module's docstring). ``KERNELS_INSPECT_RECORDED`` names
+# As normbook.lab.paths says, spelt here: importing normbook (torch, Triton's mode) must
+# wait until the child has faked CUDA.
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+SOURCE_ROOT = ROOT / "kernels"
+DATA = ROOT / "data"
+
+CACHE = pathlib.Path(os.environ.get("NORMBOOK_INSPECT_CACHE",
+                                    pathlib.Path.home() / ".cache" / "normbook-inspect"))
+#: The recorded table (see the module's docstring). ``NORMBOOK_INSPECT_RECORDED`` names
 #: another file, or, empty, none: every variant compiled.
-RECORDED = ROOT / "data" / "inspect" / "variants.jsonl"
+RECORDED = DATA / "inspect" / "variants.jsonl"
 
 
 @dataclass(frozen=True)
@@ -116,8 +121,8 @@ ARCHS = tuple(GPUS)
 # ---------------------------------------------------------------- the shapes
 
 def bench_shapes() -> list[tuple[str, int, int]]:
-    """(label, M, N): the benchmark's sweep (kernels.bench) and the decode shapes."""
-    from kernels.bench import cases  # no torch.cuda use at import: safe in the child
+    """(label, M, N): the benchmark's sweep (normbook.lab.bench) and the decode shapes."""
+    from normbook.lab.bench import cases  # no torch.cuda use at import: safe in the child
 
     shapes = [("bench", cases.ELEMENTS // n, n) for n in cases.SWEEP]
     shapes += [("decode", m, n) for n in cases.DECODE_N for m in cases.DECODE_M]
@@ -463,7 +468,7 @@ _RECORDED_CACHE: dict = {}
 
 
 def recorded_path() -> pathlib.Path | None:
-    env = os.environ.get("KERNELS_INSPECT_RECORDED")
+    env = os.environ.get("NORMBOOK_INSPECT_RECORDED")
     if env is None:
         return RECORDED
     return pathlib.Path(env) if env else None
@@ -581,8 +586,8 @@ def write_recorded(rows: list[dict], path: pathlib.Path | None = None,
     header = {"triton": triton.__version__, "analysis": analysis_version(),
               "variants": len(entries),
               "note": "what Triton's compiler and ptxas reported for every variant "
-                      "of the test suite's table (kernels.inspect.survey), by variant "
-                      "key; written by python -m kernels.inspect --record"}
+                      "of the test suite's table (normbook.lab.inspector.survey), by variant "
+                      "key; written by python -m normbook.lab.inspector --record"}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     with open(tmp, "w") as f:
@@ -654,8 +659,8 @@ def _calls(label: str, M: int, N: int, dtype: str, which: set[str] | None):
     shape."""
     import torch
 
-    import kernels
-    from kernels.bench import cases
+    import normbook
+    from normbook.lab.bench import cases
 
     dt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
           "fp64": torch.float64}[dtype]
@@ -716,28 +721,28 @@ def _calls(label: str, M: int, N: int, dtype: str, which: set[str] | None):
                 empty(1, hk, M, d, grad=2 in g)]
 
     out = {
-        "rms_norm": pair(kernels.rms_norm, rows_and(1), (0, 1)),
-        "layer_norm": pair(kernels.layer_norm, rows_and(2), (0, 1, 2)),
-        "fused_add_rms_norm": pair(kernels.fused_add_rms_norm,
+        "rms_norm": pair(normbook.rms_norm, rows_and(1), (0, 1)),
+        "layer_norm": pair(normbook.layer_norm, rows_and(2), (0, 1, 2)),
+        "fused_add_rms_norm": pair(normbook.fused_add_rms_norm,
                                    lambda g: [empty(M, N,
                                                     grad=0 in g), empty(M, N,
                                                                         grad=1 in g),
                                               empty(N, grad=2 in g)], (0, 1, 2)),
-        "qk_norm_rope": pair(kernels.qk_norm_rope, qk_inputs, (0, 1, 2, 3)),
-        "softmax": pair(kernels.softmax, rows_and(0), (0,)),
-        "cross_entropy": pair(kernels.cross_entropy,
+        "qk_norm_rope": pair(normbook.qk_norm_rope, qk_inputs, (0, 1, 2, 3)),
+        "softmax": pair(normbook.softmax, rows_and(0), (0,)),
+        "cross_entropy": pair(normbook.cross_entropy,
                               lambda g: [empty(M, N, grad=0 in g),
                                          torch.zeros(M, dtype=torch.int64)],
                               (0,)),
-        "attention": pair(lambda q, k, v: kernels.attention(q, k, v, causal=True),
+        "attention": pair(lambda q, k, v: normbook.attention(q, k, v, causal=True),
                           attention_inputs, (0, 1, 2)),
-        "sample": (lambda: kernels.sample(torch.zeros(M, N, dtype=dt), temperature=0.8,
+        "sample": (lambda: normbook.sample(torch.zeros(M, N, dtype=dt), temperature=0.8,
                                           top_k=50, top_p=0.9, generator=0), None),
         # swiglu: gate and up of the MLP, (M, N) each (N: the intermediate size's
         # stand-in). linear_cross_entropy launches cross_entropy's two kernels
         # (inspected above) between cuBLAS products, which the inspector cannot lower:
         # not listed.
-        "swiglu": pair(kernels.swiglu, lambda g: [empty(M, N, grad=0 in g),
+        "swiglu": pair(normbook.swiglu, lambda g: [empty(M, N, grad=0 in g),
                                                   empty(M, N, grad=1 in g)], (0, 1)),
     }
     # decode_attention (issue 19): M requests (at most 64: the cache is what is read,
@@ -760,15 +765,15 @@ def _calls(label: str, M: int, N: int, dtype: str, which: set[str] | None):
     for name, paged in (("decode_attention", False), ("decode_attention.paged", True)):
         if label == "bench":
             break  # decode shapes (and the odd ones) only
-        out[name] = (lambda p=paged: (lambda q, k, v, n, t: kernels.decode_attention(
+        out[name] = (lambda p=paged: (lambda q, k, v, n, t: normbook.decode_attention(
             q, k, v, n, block_table=t))(*decode_inputs(p)), None)
     for method in ("two_pass", "one_pass", "welford"):
         out[f"row_variance.{method}"] = (
-            lambda m=method: kernels.row_variance(empty(M, N), method=m), None)
+            lambda m=method: normbook.row_variance(empty(M, N), method=m), None)
         # the variance chapter's experiment: statistics accumulated in bf16
         if dtype == "fp32":
             out[f"row_variance.{method}.bf16acc"] = (
-                lambda m=method: kernels.row_variance(empty(M, N), method=m,
+                lambda m=method: normbook.row_variance(empty(M, N), method=m,
                                                       acc_dtype=torch.bfloat16), None)
     if dtype == "fp64":
         # fp32/fp16/bf16 only: it refuses fp64 (no gradient checks to serve)
@@ -858,7 +863,7 @@ def measured_gpu(
 
 
 def _child(argv: list[str]) -> int:
-    """Runs in its own process: fake CUDA, import kernels, capture, compile, write JSON
+    """Runs in its own process: fake CUDA, import normbook, capture, compile, write JSON
     rows. ``--units``: a JSON file listing [index, arch, dtype, calls, shapes]; each
     unit's rows go to ``<out-dir>/unit<index>.json`` as soon as it is done (a child
     stopped at a deadline keeps the units it finished)."""
@@ -874,7 +879,7 @@ def _child(argv: list[str]) -> int:
     a = p.parse_args(argv)
     units = json.loads(pathlib.Path(a.units).read_text())
     os.environ.pop("TRITON_INTERPRET", None)
-    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(SOURCE_ROOT))
     _fake_cuda(units[0][1])
     import datetime
 
@@ -883,13 +888,13 @@ def _child(argv: list[str]) -> int:
     from triton.backends.compiler import GPUTarget
     from triton.runtime.jit import JITFunction
 
-    import kernels
-    import kernels._validate
+    import normbook
+    import normbook._validate
 
-    assert not kernels.INTERPRET, \
+    assert not normbook.INTERPRET, \
         "the kernels must be defined for the GPU compiler, not interpreted"
     # The tensors stay on the CPU (nothing runs): let the argument checks accept them.
-    kernels._validate.DEVICE = torch.device("cpu")
+    normbook._validate.DEVICE = torch.device("cpu")
     _keep_ptxas_logs()
     capture = _Capture()
     JITFunction.run = (lambda self, *args, grid, warmup=False, **kw:
@@ -977,7 +982,7 @@ def _unit_rows(capture, gpu, arch, dtype, calls, unit_shapes, phases, latency_ns
 def _child_env() -> dict:
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(SOURCE_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
 
@@ -1054,7 +1059,7 @@ def run_inspector(archs=(90,), dtypes=DTYPES, shapes="all", calls=None,
                 for j, code in enumerate(codes):
                     if code not in (None, 0):
                         err = (pathlib.Path(tmp) / f"child{j}.log").read_text()
-                        raise RuntimeError(f"kernels.inspect child failed ({code}):\n"
+                        raise RuntimeError(f"normbook.lab.inspector child failed ({code}):\n"
                                            f"{err[-4000:]}")
                 if all(code == 0 for code in codes):
                     break
@@ -1108,8 +1113,8 @@ def _unit_of(row: dict) -> tuple:
 def _from_nothing(folder: pathlib.Path) -> dict:
     """The children's environment for compiling from nothing: the inspector's cache and
     Triton's both new folders under ``folder``, and no recorded table."""
-    return {"KERNELS_INSPECT_CACHE": str(folder / "inspect"),
-            "TRITON_CACHE_DIR": str(folder / "triton"), "KERNELS_INSPECT_RECORDED": ""}
+    return {"NORMBOOK_INSPECT_CACHE": str(folder / "inspect"),
+            "TRITON_CACHE_DIR": str(folder / "triton"), "NORMBOOK_INSPECT_RECORDED": ""}
 
 
 def verify_recorded(rows: list[dict], seed: int, jobs=None,
@@ -1229,7 +1234,7 @@ def measured_vs_predicted(bench: dict, inspected: dict) -> dict:
     same call, phase, shape and dtype (the smallest over the phase's launches; each
     launch listed).
 
-    ``bench`` is a benchmark JSON (``python -m kernels.bench``), ``inspected`` the
+    ``bench`` is a benchmark JSON (``python -m normbook.lab.bench``), ``inspected`` the
     inspector's JSON for the same GPU, ideally run with ``--bandwidth-gbps`` set to the
     measured copy bandwidth so that both fractions have the same denominator
     (``meta.same_denominator``).
@@ -1247,7 +1252,7 @@ def measured_vs_predicted(bench: dict, inspected: dict) -> dict:
     rows = []
     for b in bench.get("results", []):
         if (
-            b.get("provider") != "kernels"
+            b.get("provider") != "normbook"
             or b.get("status") != "ok"
             or b.get("pct_of_copy") is None
         ):
@@ -1356,7 +1361,7 @@ def ptx_excerpt(ptx: str, max_lines: int = 14) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kernels.inspect",
+    p = argparse.ArgumentParser(prog="python -m normbook.lab.inspector",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", default="90",
                    help="90 (H100/H200), 80 (A100), 75 (T4); comma-separated for "
@@ -1397,9 +1402,9 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as scratch:
             if a.from_scratch:
                 env = _from_nothing(pathlib.Path(scratch))
-                CACHE = pathlib.Path(env["KERNELS_INSPECT_CACHE"])
+                CACHE = pathlib.Path(env["NORMBOOK_INSPECT_CACHE"])
             else:  # the table this writes is the one read
-                env = {"KERNELS_INSPECT_RECORDED": str(RECORDED)}
+                env = {"NORMBOOK_INSPECT_RECORDED": str(RECORDED)}
             rows = survey(jobs=a.jobs, env=env)
             errors = [r for r in rows if "error" in r]
             n = write_recorded(rows, RECORDED, use_recorded=not a.from_scratch)
@@ -1437,7 +1442,7 @@ def main(argv: list[str] | None = None) -> int:
         gpu = GPUS[arch]
         print(f"sm_{arch}: {gpu.name}, {gpu.bandwidth / 1e12:.3g} TB/s; Little's law "
               f"at {a.latency_ns:.0f} ns "
-              f"(assumed, see kernels.inspect.LATENCY_NS): "
+              f"(assumed, see normbook.lab.inspector.LATENCY_NS): "
               f"{littles_law_bytes(gpu, a.latency_ns) / 1024:.1f} KiB "
               f"in flight per SM. triton {meta.get('triton')}, torch "
               f"{meta.get('torch')}.")

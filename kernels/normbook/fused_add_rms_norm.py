@@ -9,13 +9,13 @@ tensor (the add reads two and writes one, the norm reads one and writes one); fu
 is four: read ``x`` and ``r``, write ``h`` and ``y``. The normalization reads ``h`` as
 stored (rounded to the input dtype), exactly as the unfused Hugging Face code does, so
 the two agree bit for bit up to the fp32 sum's order. The conventions (``offset``,
-``casting_mode``) are :func:`kernels.rms_norm`'s.
+``casting_mode``) are :func:`normbook.rms_norm`'s.
 
 Backward. With ``ḡ_y`` and ``ḡ_h`` the gradients reaching the two outputs, the gradient
 of ``h`` is the RMSNorm vector-Jacobian product of ``ḡ_y`` plus ``ḡ_h``, and ``h = x +
 r`` passes it unchanged to both inputs (the rounding of h is treated as the identity, as
 autograd of the unfused code does): ``dx = dr = vjp(ḡ_y) + ḡ_h``. It runs in
-:mod:`kernels.rms_norm`'s backward kernel (which adds ``ḡ_h`` in the same pass) on the
+:mod:`normbook.rms_norm`'s backward kernel (which adds ``ḡ_h`` in the same pass) on the
 saved ``h`` and 1/rms: one machinery, not a copy.
 """
 
@@ -109,7 +109,7 @@ def _fused_add_rms_norm_fwd_sums(
     ACC: tl.constexpr, DT: tl.constexpr, MODE: tl.constexpr,
     N_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """The split forward's first launch (kernels.rms_norm.split_launches): h for one
+    """The split forward's first launch (normbook.rms_norm.split_launches): h for one
     block of a row, stored, and its sum of squares; the second launch normalizes h."""
     row = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
@@ -202,7 +202,7 @@ def fused_add_rms_norm(
     ``residual_out = x + residual`` (rounded to ``x``'s dtype: the residual stream as
     the next block receives it) and ``y = rms_norm(residual_out, weight, eps,
     offset=offset, casting_mode=casting_mode)`` with the conventions of
-    :func:`kernels.rms_norm` (default: fp32 statistics, normalized value rounded to the
+    :func:`normbook.rms_norm` (default: fp32 statistics, normalized value rounded to the
     input dtype, then multiplied by ``weight``). Equal to the unfused ``h = x +
     residual; y = rms_norm(h, weight, eps)`` while moving four row-sized tensors instead
     of five. Inputs are not modified; both outputs are new contiguous tensors.

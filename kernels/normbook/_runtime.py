@@ -2,7 +2,7 @@
 CPU.
 
 Triton reads ``TRITON_INTERPRET`` when ``@triton.jit`` decorates a function, so this
-module must be imported before any kernel is defined. ``kernels/__init__.py`` imports it
+module must be imported before any kernel is defined. ``kernels/normbook/__init__.py`` imports it
 first.
 
 Something else may have imported Triton earlier (``transformers`` does): then Triton's

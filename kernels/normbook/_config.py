@@ -63,7 +63,7 @@ LAUNCH = {"enable_fp_fusion": False}
 # from M: the shape of a tile decides how the GPU splits a row's sum over threads, so a
 # configuration that followed M would give a row different bits in a batch of 1 and a
 # batch of 4096 (batch invariance). The limits keep every variant free of register
-# spills and above one CTA per SM (python -m kernels.inspect): a single-block row tile
+# spills and above one CTA per SM (python -m normbook.lab.inspector): a single-block row tile
 # holds at most RMS_FWD_MAX_BLOCK elements in the forward (x only) and RMS_BWD_MAX_BLOCK
 # in the backward (x, dy, γ and the dγ partial sums at once), spread over 16 warps: at
 # most 16 (forward) or 8 (backward) fp32 values per thread and per array.
@@ -71,7 +71,7 @@ RMS_FWD_MAX_BLOCK = 8192
 RMS_BWD_MAX_BLOCK = 4096
 # Wider rows: the forward loops over blocks of RMS_LOOP_BLOCK_N; the backward sweeps
 # column blocks of RMS_BWD_COL_BLOCK, RMS_BWD_COL_ROWS rows at a time
-# (kernels.rms_norm).
+# (normbook.rms_norm).
 RMS_LOOP_BLOCK_N = 4096
 RMS_BWD_COL_BLOCK = 1024
 RMS_BWD_COL_ROWS = 4
@@ -113,7 +113,7 @@ RMS_SPLIT_MIN_BYTES = 512 * 1024
 
 def rms_split(N: int, element_size: int) -> bool:
     """Whether the RMSNorm family's forward splits a row over programs (two launches,
-    kernels.rms_norm.split_launches): rows too wide for one block and of at least
+    normbook.rms_norm.split_launches): rows too wide for one block and of at least
     RMS_SPLIT_MIN_BYTES. A function of N and the element size only, never of M (see
     above)."""
     return (N > 0 and not rms_config(N, element_size).SINGLE_BLOCK

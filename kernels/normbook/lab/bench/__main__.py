@@ -1,4 +1,4 @@
-"""python -m kernels.bench: see kernels/bench/__init__.py."""
+"""python -m normbook.lab.bench: see kernels/normbook/lab/bench/__init__.py."""
 
 import sys
 

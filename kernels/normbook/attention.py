@@ -415,7 +415,7 @@ def bwd_tile_config(head_dim: int, dtype: torch.dtype, capability=None, kernel="
     The dK/dV program holds four key-side tiles (k, v, dk, dv: BLOCK_N × BLOCK_D) for
     its whole life and two query-side tiles per step; the dQ program the reverse. Each
     keeps its long-lived side the larger one. Chosen for 0 spills on sm_90, sm_80 and
-    sm_75 in ``python -m kernels.inspect`` (tests/test_inspect.py; head_dim 128, Triton
+    sm_75 in ``python -m normbook.lab.inspector`` (tests/test_inspect.py; head_dim 128, Triton
     3.9). On sm_75 the tiles are multiplied in fp32 (see ``_backward``).
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -439,7 +439,7 @@ def _capability(t: torch.Tensor):
     """The GPU's compute capability the tiles are chosen for; None in the interpreter"""
     if t.device.type == "cuda":
         return torch.cuda.get_device_capability(t.device)
-    # Compiled mode with CPU tensors: kernels.inspect lowering for a chosen arch
+    # Compiled mode with CPU tensors: normbook.lab.inspector lowering for a chosen arch
     return None if INTERPRET else torch.cuda.get_device_capability()
 
 

@@ -18,7 +18,7 @@ Triton kernel: its work is K gathers and one inverse-CDF draw over the vocabular
 row, a few passes over ``(B, K+1, V)`` probabilities the target's forward pass already
 wrote. Random numbers: one float64 uniform per (row, position) for the acceptance tests
 and one per row for the emitted token, from a CPU ``torch.Generator`` seeded with
-:func:`kernels.sampling.philox_seed`'s 64-bit key, so that results depend only on the
+:func:`normbook.sampling.philox_seed`'s 64-bit key, so that results depend only on the
 seed, never on the device.
 """
 
@@ -62,7 +62,7 @@ def _check(draft_tokens, draft_probs, target_probs, generator):
         raise ValueError("the vocabulary (last dimension) must not be empty")
     for name, t in (("draft_probs", draft_probs), ("target_probs", target_probs)):
         _validate.check_same_device(name, t, "draft_tokens", draft_tokens)
-    # the generator's checks, as kernels.sample
+    # the generator's checks, as normbook.sample
     _check_args(1.0, None, None, None, generator)
 
 
@@ -117,7 +117,7 @@ def speculative_sample(draft_tokens, draft_probs, target_probs, *, generator=Non
         generator: None (a seed from torch's global CPU generator), a
             ``torch.Generator`` (one seed drawn from it) or an int seed in
             [0, 2**63): see
-            :func:`kernels.sampling.philox_seed`. The same seed gives the same tokens.
+            :func:`normbook.sampling.philox_seed`. The same seed gives the same tokens.
 
     Returns:
         ``tokens`` ``(B, K + 1)`` int64: the accepted drafts, then the emitted token

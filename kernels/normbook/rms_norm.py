@@ -4,7 +4,7 @@ r"""RMSNorm forward and backward as Triton kernels, differentiable through
 .. math:: y_i = \gamma_i \, \frac{x_i}{\sqrt{\tfrac1n \sum_k x_k^2 + \epsilon}}
 
 Forward: one program normalizes ``BLOCK_M`` rows when a row fits in one block (``N`` up
-to 8192 elements, :func:`kernels._config.rms_config`): the row is read from memory once
+to 8192 elements, :func:`normbook._config.rms_config`): the row is read from memory once
 and kept in registers. A wider row is split over programs, one per block of 4096
 elements, in two launches (:func:`split_launches`): the first stores each block's sum
 of squares, the second adds a row's sums, forms 1/rms and normalizes its block. The
@@ -16,7 +16,7 @@ Why split: at decode (M = 1 ... 64 rows) one program per row leaves most of a GP
 launch reads x again after the first has streamed every row, so when the tensor is
 larger than L2 (the benchmark's 2**26 elements) that read comes from memory, where the
 single-program loop (kept, ``split=False``) re-read its row's blocks while they were
-still in L2. So only rows of at least 512 KiB are split (kernels._config.rms_split:
+still in L2. So only rows of at least 512 KiB are split (normbook._config.rms_split:
 past that, the loop's re-read misses L2 too); narrower wide rows keep the loop, which
 we expect to be up to a third faster at large M and slower at decode. Not measured (no
 GPU was at hand). Reading the row
@@ -34,7 +34,7 @@ Backward (vector-Jacobian product, per row, with :math:`\hat x = x/r` and :math:
           d\gamma = \textstyle\sum_\text{rows} dy \odot \hat x .
 
 dx is computed row by row like the forward; dγ is reduced over rows deterministically in
-two stages (see :mod:`kernels._reduce`): a fixed number G of programs each store one row
+two stages (see :mod:`normbook._reduce`): a fixed number G of programs each store one row
 of a (G, N) buffer of partial sums, once (no read-modify-write), and a small kernel adds
 the rows. G is chosen so that this buffer's traffic is at most 5 % of the bytes the
 backward moves anyway (:func:`backward_plan`). Rows up to 4096 elements are handled
@@ -294,7 +294,7 @@ def _forward(x2d: torch.Tensor, weight, eps: float, offset: float = 0.0,
              mode: int = LLAMA, split=None):
     """Launch the kernel on a (M, N) view; returns (y2d, rstd), rstd of shape (M,) in
     the accumulation dtype. ``split``: None chooses from N and the dtype
-    (:func:`kernels._config.rms_split`); tests force it."""
+    (:func:`normbook._config.rms_split`); tests force it."""
     M, N = x2d.shape
     y = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)
     acc = accumulation_dtype(x2d.dtype)
@@ -464,7 +464,7 @@ def backward_plan(M: int, N: int, element_size: int, weight_size: int = 0,
     dγ written when there is a weight). The partial sums of dγ add ``2·G·N·acc_size``
     (written once, read once); G is bounded so that this stays within
     ``MAX_PARTIAL_SHARE`` of the essential bytes
-    (kernels._reduce.num_partials_within)."""
+    (normbook._reduce.num_partials_within)."""
     cfg = rms_config(N, element_size, backward=True)
     col_blocks = 1 if cfg.SINGLE_BLOCK else triton.cdiv(N, cfg.BLOCK_N)
     essential = 3 * M * N * element_size + 2 * N * weight_size
@@ -481,7 +481,7 @@ def _backward(dy2d: torch.Tensor, x2d: torch.Tensor, weight, rstd: torch.Tensor,
     forward state.
 
     ``dh2d``, when given, is a gradient that reaches the normalized tensor directly (the
-    ``h`` output of :func:`kernels.fused_add_rms_norm`): it is added to dx in the same
+    ``h`` output of :func:`normbook.fused_add_rms_norm`): it is added to dx in the same
     pass."""
     M, N = x2d.shape
     dx = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)

@@ -11,7 +11,7 @@ import inspect
 
 import torch
 
-from ._runtime import DEVICE, INTERPRET, default_dtype, device_name
+from normbook._runtime import DEVICE, INTERPRET, default_dtype, device_name
 
 
 def setup(seed: int = 0):

@@ -4,21 +4,21 @@ r"""Run a Hugging Face ``transformers`` model on this package's kernels, in plac
 modules, parameters or buffers, so weights and ``state_dict()`` are untouched) and
 ``unpatch(model)`` restores them:
 
-- ``Qwen3RMSNorm``, ``LlamaRMSNorm`` → :func:`kernels.rms_norm` (Llama convention: fp32
+- ``Qwen3RMSNorm``, ``LlamaRMSNorm`` → :func:`normbook.rms_norm` (Llama convention: fp32
   statistics, round to the input dtype, times γ);
-- ``Gemma3RMSNorm`` → :func:`kernels.rms_norm` with the Gemma convention (everything in
+- ``Gemma3RMSNorm`` → :func:`normbook.rms_norm` with the Gemma convention (everything in
   fp32 with ``1 + γ``, one rounding);
 - decoder layer: ``h = x + attn``, ``post_attention_layernorm(h)`` →
-  :func:`kernels.fused_add_rms_norm` (Qwen3, Llama);
+  :func:`normbook.fused_add_rms_norm` (Qwen3, Llama);
 - ``Qwen3Attention``: ``q_norm``, ``k_norm`` and ``apply_rotary_pos_emb`` →
-  :func:`kernels.qk_norm_rope`;
+  :func:`normbook.qk_norm_rope`;
 - attention (Qwen3, Llama, Gemma 3), prefill and the KV-cache steps of ``generate`` →
-  :func:`kernels.attention` (bottom-right causal, GQA, Gemma 3's sliding window; the
+  :func:`normbook.attention` (bottom-right causal, GQA, Gemma 3's sliding window; the
   mask is checked to be exactly that pattern, else a ``ValueError``);
 - ``Qwen3MLP``, ``LlamaMLP`` with SiLU: ``act_fn(gate_proj(x)) * up_proj(x)`` →
-  :func:`kernels.swiglu`;
+  :func:`normbook.swiglu`;
 - ``*ForCausalLM`` called with ``labels``: ``lm_head`` then ``ForCausalLMLoss`` →
-  :func:`kernels.linear_cross_entropy`, shifted as ``ForCausalLMLoss``
+  :func:`normbook.linear_cross_entropy`, shifted as ``ForCausalLMLoss``
   (``ignore_index``, ``shift_labels``, ``num_items_in_batch``); ``logits`` is then
   ``None``: never computed.
 
@@ -29,11 +29,11 @@ get logits.
 
 Not patched, and why: Gemma 3's MLP (GELU-tanh, a GeGLU: no kernel here); a model whose
 config sets logit soft-capping (``final_logit_softcapping``: the loss,
-``attn_logit_softcapping``: the attention; kernels.attention has no soft-cap) runs those
+``attn_logit_softcapping``: the attention; normbook.attention has no soft-cap) runs those
 parts on transformers' code; so does attention with dropout in training, bidirectional
 attention, or ``output_attentions``.
 
-Masks: kernels.attention takes no mask tensor, so the patched attention compares
+Masks: normbook.attention takes no mask tensor, so the patched attention compares
 transformers' mask with the causal (and sliding-window) pattern once per forward and
 raises a ``ValueError`` for anything else (a padded batch, a static cache's empty slots,
 packed sequences): never a silently ignored mask.
@@ -51,7 +51,7 @@ the module's own code for that call instead of a wrong or gradient-less answer:
 * a kernel that has no backward yet, while gradients are needed (it is probed once, on a
   tiny input: as soon as the kernel gains an ``autograd.Function`` it is used in
   training too; this is how attention trains on transformers' code until
-  kernels.attention has a backward);
+  normbook.attention has a backward);
 * q and k norms with different ``eps``, or rotary tables in another dtype than q.
 
 Not fused: the residual add *after* the MLP with the next layer's ``input_layernorm``.
@@ -82,7 +82,7 @@ from .qk_norm_rope import MAX_FUSED_BYTES, qk_norm_rope
 from .rms_norm import rms_norm
 from .swiglu import swiglu
 
-__all__ = ["patch", "unpatch", "is_patched", "torch_ops", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["patch", "unpatch", "is_patched", "SUPPORTED_MODEL_TYPES"]
 
 #: ``config.model_type`` values that :func:`patch` accepts.
 SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "gemma3_text")
@@ -102,7 +102,7 @@ _ATTENTION = {"Qwen3Attention", "LlamaAttention", "Gemma3Attention"}
 # not patched.
 _GATED_MLPS = {"Qwen3MLP", "LlamaMLP", "Gemma3MLP"}
 _SILU = {"SiLU", "SiLUActivation"}
-# Causal LMs whose loss (labels given) runs as kernels.linear_cross_entropy.
+# Causal LMs whose loss (labels given) runs as normbook.linear_cross_entropy.
 _CAUSAL_LMS = {"Qwen3ForCausalLM", "LlamaForCausalLM", "Gemma3ForCausalLM"}
 
 
@@ -120,7 +120,7 @@ def _differentiable(name: str) -> bool:
     """Probe once, on a tiny input, whether a fused kernel keeps gradients (has a
     backward)."""
     # the kernel module's own
-    fn = getattr(importlib.import_module(f"kernels.{name}"), name)
+    fn = getattr(importlib.import_module(f"normbook.{name}"), name)
     with torch.enable_grad():
         if name == "attention":
             q = torch.randn(1, 1, 2, 16, device=_runtime.DEVICE, requires_grad=True)
@@ -151,7 +151,7 @@ def _norm_eps(norm: nn.Module) -> float:
 
 
 def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    """``LlamaRMSNorm`` / ``Qwen3RMSNorm`` on :func:`kernels.rms_norm`."""
+    """``LlamaRMSNorm`` / ``Qwen3RMSNorm`` on :func:`normbook.rms_norm`."""
     if hidden_states.dtype != self.weight.dtype:
         # transformers promotes; the kernel cannot
         return type(self).forward(self, hidden_states)
@@ -234,7 +234,7 @@ def _decoder_layer_forward(self, hidden_states, attention_mask=None, position_id
 
 
 def _qk_fusable(self, hidden_states, cos, sin) -> bool:
-    """Qwen3's q_norm, k_norm and RoPE can run as one kernels.qk_norm_rope."""
+    """Qwen3's q_norm, k_norm and RoPE can run as one normbook.qk_norm_rope."""
     if not _is_transformers_class(self, _QK_NORM_ATTENTION):
         return False
     qw, kw = self.q_norm.weight, self.k_norm.weight
@@ -254,7 +254,7 @@ _MASK_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def _purely_causal(mask, seq_q: int, seq_k: int, window) -> bool:
     """Whether transformers' ``attention_mask`` is exactly the bottom-right causal
-    pattern (with the sliding window, if any) that kernels.attention computes from
+    pattern (with the sliding window, if any) that normbook.attention computes from
     indices. None is what transformers passes when SDPA's own is_causal suffices (seq_q
     == seq_k, or one query: both alignments agree there). A padded batch, a static
     cache's unused slots, a packed or bidirectional mask are not this pattern."""
@@ -281,7 +281,7 @@ def _purely_causal(mask, seq_q: int, seq_k: int, window) -> bool:
 
 
 def _kernel_attention(self, q, k, v, attention_mask, kwargs):
-    """kernels.attention on (batch, heads, seq, head_dim) q, k, v, as transformers'
+    """normbook.attention on (batch, heads, seq, head_dim) q, k, v, as transformers'
     eager or SDPA attention would compute it: (batch, seq_q, heads, head_dim). None
     where the kernel cannot compute what the module computes (the module's own attention
     runs instead): dropout in training, logit soft-capping, bidirectional attention,
@@ -298,14 +298,14 @@ def _kernel_attention(self, q, k, v, attention_mask, kwargs):
     window = getattr(self, "sliding_window", None)
     if not _purely_causal(attention_mask, q.shape[2], k.shape[2], window):
         raise ValueError(
-            f"kernels.hf: attention_mask of {type(self).__name__} (layer "
+            f"normbook.hf: attention_mask of {type(self).__name__} (layer "
             f"{self.layer_idx}) is "
             "not the plain causal mask (a padded batch, a static cache or a packed "
             "sequence): "
-            "kernels.attention takes no mask tensor, and ignoring it would be wrong. "
+            "normbook.attention takes no mask tensor, and ignoring it would be wrong. "
             "Pass "
             "unpadded sequences of one length, or run this model unpatched "
-            "(kernels.hf.unpatch(model))")
+            "(normbook.hf.unpatch(model))")
     out = attention(q, k, v, causal=True, scale=self.scaling, window=window)
     return out.transpose(1, 2)
 
@@ -314,8 +314,8 @@ def _attention_forward(self, hidden_states, position_embeddings, attention_mask,
                        cache=None,
                        **kwargs):
     """Qwen3/Llama/Gemma 3 attention: projections; Qwen3's q/k norms and RoPE as one
-    :func:`kernels.qk_norm_rope` (else the module's norms, patched, and transformers'
-    RoPE); the KV cache; :func:`kernels.attention`; o_proj."""
+    :func:`normbook.qk_norm_rope` (else the module's norms, patched, and transformers'
+    RoPE); the KV cache; :func:`normbook.attention`; o_proj."""
     cache = _pop_cache(cache, kwargs)
     cos, sin = position_embeddings
     module = sys.modules[type(self).__module__]
@@ -372,7 +372,7 @@ def _attention_forward(self, hidden_states, position_embeddings, attention_mask,
 
 def _swiglu_mlp_forward(self, x):
     """``down_proj(silu(gate_proj(x)) * up_proj(x))`` with the gate as
-    :func:`kernels.swiglu`."""
+    :func:`normbook.swiglu`."""
     gate, up = self.gate_proj(x), self.up_proj(x)
     if gate.dtype != up.dtype or gate.shape != up.shape:
         return self.down_proj(self.act_fn(gate) * up)
@@ -385,7 +385,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
                        logits_to_keep=0,
                        **kwargs):
     """With ``labels``: the decoder, then the shifted causal-LM loss of ``lm_head`` as
-    :func:`kernels.linear_cross_entropy` (transformers' ``ForCausalLMLoss``: labels
+    :func:`normbook.linear_cross_entropy` (transformers' ``ForCausalLMLoss``: labels
     shifted by one, ``ignore_index``, ``num_items_in_batch``), and **no logits**
     (``logits=None``): they never exist. Without labels (inference, ``generate``): the
     class's own forward."""
@@ -467,7 +467,7 @@ def _check_model(model) -> str:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise TypeError(
-            f"kernels.hf.patch supports model types {SUPPORTED_MODEL_TYPES} (Qwen3, "
+            f"normbook.hf.patch supports model types {SUPPORTED_MODEL_TYPES} (Qwen3, "
             "Llama, Gemma 3 "
             f"text models); got {type(model).__name__} with model_type={model_type!r}"
         )
@@ -478,13 +478,13 @@ def patch(model: nn.Module) -> nn.Module:
     """Make ``model`` run this package's kernels; returns the same model (patched in
     place).
 
-    Every RMSNorm of the model runs :func:`kernels.rms_norm` with its model's
+    Every RMSNorm of the model runs :func:`normbook.rms_norm` with its model's
     convention; Qwen3 and Llama decoder layers run the first residual add with
-    ``post_attention_layernorm`` as :func:`kernels.fused_add_rms_norm`;
+    ``post_attention_layernorm`` as :func:`normbook.fused_add_rms_norm`;
     ``Qwen3Attention`` runs ``q_norm``, ``k_norm`` and RoPE as
-    :func:`kernels.qk_norm_rope`; attention runs :func:`kernels.attention`, the SwiGLU
-    gate :func:`kernels.swiglu` and, with ``labels``, the loss
-    :func:`kernels.linear_cross_entropy` (see the module's docstring for what is not
+    :func:`normbook.qk_norm_rope`; attention runs :func:`normbook.attention`, the SwiGLU
+    gate :func:`normbook.swiglu` and, with ``labels``, the loss
+    :func:`normbook.linear_cross_entropy` (see the module's docstring for what is not
     patched). Parameters, buffers and the state dict are untouched; patching twice is
     the same as once; :func:`unpatch` restores the model.
 
@@ -510,7 +510,7 @@ def patch(model: nn.Module) -> nn.Module:
         elif _is_transformers_class(module, _CAUSAL_LMS):
             _set_forward(module, _causal_lm_forward)
     if not found:
-        raise TypeError(f"{type(model).__name__} has no RMSNorm module that kernels.hf "
+        raise TypeError(f"{type(model).__name__} has no RMSNorm module that normbook.hf "
                         "knows "
                         f"({sorted(_NORMS)}): nothing to patch")
     return model
@@ -530,81 +530,3 @@ def unpatch(model: nn.Module) -> nn.Module:
 def is_patched(model: nn.Module) -> bool:
     """Whether any module of ``model`` runs a forward installed by :func:`patch`."""
     return any(_ours(m) for m in model.modules())
-
-
-# ---------------------------------------------------------------- what still runs on
-# PyTorch
-
-_MATMULS = {"mm", "addmm", "bmm", "matmul", "linear", "baddbmm"}
-_LAYOUT = {"view", "_unsafe_view", "t", "transpose", "expand", "slice", "unsqueeze",
-           "squeeze", "reshape", "as_strided", "select", "detach", "alias", "permute"}
-_ALLOCATION = {"empty", "empty_strided", "new_empty", "empty_like", "zeros",
-               "new_zeros",
-               "zeros_like", "full", "new_full"}
-
-
-def _caller() -> str:
-    """Where the op came from: the first frame outside torch (the Triton interpreter,
-    this package's wrappers, transformers' or kernels.hf's code)."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        name = frame.f_code.co_filename.replace("\\", "/")
-        if "/triton/" in name:
-            return "interpreter"
-        if "/torch/" not in name and "/contextlib" not in name:
-            ours = "/kernels/" in name and not name.endswith("hf.py")
-            return "kernels" if ours else "model"
-        frame = frame.f_back
-    return "model"
-
-
-def torch_ops(fn, *args, **kwargs):
-    """(result, counts): ``fn(*args, **kwargs)`` and the PyTorch ops it ran, recorded by
-    a ``TorchDispatchMode``, as a ``collections.Counter`` of (kind, op name). Kinds:
-    "matmul", "embedding", "elementwise" (the model's remaining arithmetic), "layout"
-    (views, transposes, a ``contiguous`` copy), "cache" (the KV cache's concatenation),
-    "kernel outputs" (the buffers a Triton kernel writes), "wrappers" (argument checks
-    and views in this package's wrappers), and on the CPU "interpreter" (Triton's
-    interpreter copying arguments: not a GPU op)."""
-    import collections
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    counts = collections.Counter()
-
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            op = func.overloadpacket.__name__
-            where = _caller()
-            if where == "interpreter":
-                kind = "interpreter"
-            elif where == "kernels":
-                kind = "kernel outputs" if op in _ALLOCATION else "wrappers"
-            elif op in _MATMULS:
-                kind = "matmul"
-            elif op == "embedding":
-                kind = "embedding"
-            elif op in _LAYOUT or op == "clone":
-                kind = "layout"
-            elif op == "cat" and _in_cache_update():
-                kind = "cache"
-            elif op in _ALLOCATION:
-                kind = "allocation"
-            else:
-                kind = "elementwise" if "attention" not in op else "attention"
-            counts[kind, op] += 1
-            return func(*args, **(kwargs or {}))
-
-    with Record():
-        result = fn(*args, **kwargs)
-    return result, counts
-
-
-def _in_cache_update() -> bool:
-    frame = sys._getframe(2)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "update" and "cache_utils" in code.co_filename:
-            return True
-        frame = frame.f_back
-    return False

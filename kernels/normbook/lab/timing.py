@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from ._runtime import DEVICE, device_name
+from normbook._runtime import DEVICE, device_name
 
 CPU_NOTE = (
     "No GPU here: the kernels ran in Triton's CPU interpreter, which executes one "
@@ -101,7 +101,7 @@ def compare(
 
 def kernels_called(fn: Callable) -> set[str]:
     """Names a callable (a chapter's timing lambda) calls, read from its code and the
-    code of the functions it closes over: ``lambda: kernels.rms_norm(x, w)`` calls
+    code of the functions it closes over: ``lambda: normbook.rms_norm(x, w)`` calls
     ``rms_norm``.
     """
     names: set[str] = set()

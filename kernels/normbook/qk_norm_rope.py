@@ -302,7 +302,7 @@ def _backward(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, eps, need_dqw,
         return (dq, dk, torch.zeros_like(q_weight) if need_dqw else None,
                 torch.zeros_like(k_weight) if need_dkw else None)
     cfg = _backward_config(D)
-    # A fixed number of programs per tensor (see kernels._reduce): deterministic dγ.
+    # A fixed number of programs per tensor (see normbook._reduce): deterministic dγ.
     Gq = num_partials(triton.cdiv(Mq, cfg.BLOCK_M))
     Gk = num_partials(triton.cdiv(Mk, cfg.BLOCK_M))
     acc = accumulation_dtype(q.dtype)

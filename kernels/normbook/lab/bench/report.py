@@ -129,7 +129,7 @@ def recorded_lines(
     table = comparison(run_) or {"rows": []}
     predicted = {(r["case"], r["M"], r["N"]): r["predicted"] for r in table["rows"]}
     shown = [
-        p for p in PROVIDERS if p != "kernels" and any(r["provider"] == p for r in ok)
+        p for p in PROVIDERS if p != "normbook" and any(r["provider"] == p for r in ok)
     ]
     short = {"torch eager": "eager", "torch.compile": "compile"}
     prov, path = run_["provenance"], pathlib.Path(run_.get("path", ""))
@@ -151,7 +151,7 @@ def recorded_lines(
             if (r["kernel"], r["direction"], r["M"], r["N"])
             == (kernel, direction, M, N)
         }
-        ours = mine.get("kernels")
+        ours = mine.get("normbook")
         case = f"{kernel}.{direction}"
         pred = predicted.get((case, M, N))
         cells = [
@@ -189,9 +189,9 @@ def summary(run_: dict) -> list[dict]:
                    if r["N"] >= TARGET_MIN_N and r["pct_of_copy"] is not None]
             entry = {"kernel": kernel, "direction": direction, "provider": provider,
                      "min % of copy (N >= 4096)": min(big) if big else None,
-                     "target %": 100 * target if target and provider == "kernels"
+                     "target %": 100 * target if target and provider == "normbook"
                      else None}
-            if provider == "kernels" and compiled:
+            if provider == "normbook" and compiled:
                 entry["as fast as torch.compile on every N"] = all(
                     r["ms"] <= compiled[r["N"]] for r in mine if r["N"] in compiled)
             out.append(entry)
@@ -206,7 +206,7 @@ def plot_run(run_: dict):
     ok = [r for r in run_["results"]
           if r["status"] == "ok" and r.get("regime", "sweep") in ("sweep", "")]
     cases = list(dict.fromkeys((r["kernel"], r["direction"]) for r in ok))
-    # one panel per row: legible on a phone (see kernels.notebook._sharp_figures)
+    # one panel per row: legible on a phone (see normbook.lab.notebook._sharp_figures)
     cols = 1
     rows_ = math.ceil(len(cases) / cols) if cases else 1
     fig, axes = plt.subplots(rows_, cols, figsize=(6.4, 3.6 * rows_), squeeze=False)

@@ -10,7 +10,7 @@ between them** (Liger-Kernel's fused linear cross-entropy chunks the same way; C
 Cross-Entropy instead fuses vocabulary tiles into its own matmul kernel):
 
 - *forward*, over chunks of rows: ``z = h_chunk @ Wᵀ`` (cuBLAS, rounded to h's dtype as
-  ``F.linear`` rounds it), then ``kernels.cross_entropy``'s forward kernel gives each
+  ``F.linear`` rounds it), then ``normbook.cross_entropy``'s forward kernel gives each
   row's loss and log-sum-exp ``lse`` (fp32). The chunk is dropped; ``lse`` (4 bytes a
   row) is kept.
 - *backward*, over blocks of the vocabulary, all rows at once: ``z_b = h @ W_bᵀ``
@@ -177,7 +177,7 @@ def _check(hidden, weight, target, ignore_index, reduction):
 
 
 def _linear_cross_entropy(hidden, weight, target, ignore_index, reduction, loss_dtype):
-    """The checked call; ``loss_dtype`` is where the reduced loss is rounded (kernels.hf
+    """The checked call; ``loss_dtype`` is where the reduced loss is rounded (normbook.hf
     asks for fp32, as transformers upcasts the logits before its loss)."""
     _check(hidden, weight, target, ignore_index, reduction)
     ignore_index = int(ignore_index)

@@ -140,7 +140,7 @@ def _backward(x2d, target, lse, g: torch.Tensor, ignore_index: int,
     """dx = g_row · (softmax(x) - onehot(t)) for kept rows, 0 for ignored ones; ``g``
     has one element (broadcast to every row) or M. ``out=x2d`` overwrites the logits in
     place (each element is read, then written, by the same program in the same loop
-    step), as kernels.linear_cross_entropy does with its blocks of logits."""
+    step), as normbook.linear_cross_entropy does with its blocks of logits."""
     M, V = x2d.shape
     dx = torch.empty((M, V), dtype=x2d.dtype, device=x2d.device) if out is None else out
     if M == 0:

@@ -1,4 +1,4 @@
-"""The GPU day's trimmed benchmark: ``python -m kernels.bench --plan gpu-day``.
+"""The GPU day's trimmed benchmark: ``python -m normbook.lab.bench --plan gpu-day``.
 
 A GPU machine is lent for minutes at a time, so ``tools/gpu_check.py`` cannot afford the
 full sweep (every case at 13 shapes, torch.compile at each). This plan measures, in
@@ -10,10 +10,10 @@ order of value:
 3. then torch.compile, at two shapes per entry (it compiles once per shape: seconds).
 
 Rows are written as they are measured, so a run stopped by its budget keeps everything
-before the stop (see :func:`kernels.bench.runner.run_plan`).
+before the stop (see :func:`normbook.lab.bench.runner.run_plan`).
 
 Adding a case to the GPU day is one line in :data:`PLAN`, after its ``Case`` exists in
-:data:`kernels.bench.cases.CASES`::
+:data:`normbook.lab.bench.cases.CASES`::
 
     Entry("swiglu.forward", SWIGLU),
 
@@ -48,7 +48,7 @@ SMOKE_ATTENTION = ((64, 256),)
 
 @dataclass(frozen=True)
 class Entry:
-    case: str                           # a Case.name in kernels.bench.cases.CASES
+    case: str                           # a Case.name in normbook.lab.bench.cases.CASES
     shapes: tuple
     compile_at: tuple = (0, 1)          # indices into shapes: torch.compile timed too
     smoke: tuple = SMOKE_ROWS
