@@ -50,13 +50,15 @@ def _buttons(buttons):
 
 def _page(app, pagename, templatename, context, doctree):
     branch = app.config.colab_edition_branch
-    repo_branch = (app.config.html_theme_options.get("repository_branch") or "main")
+    repo_branch = app.config.html_theme_options.get("repository_branch") or "main"
     for b in _buttons(context.get("header_buttons")):
         url = b.get("url") or ""
         if "colab.research.google.com" in url and branch:
             b["url"] = url.replace(f"/blob/{repo_branch}/", f"/blob/{branch}/", 1)
     if PLOTLY_MARK in (context.get("body") or ""):
-        app.add_js_file("plotly.min.js", priority=100)  # this page only, before the figures
+        app.add_js_file(
+            "plotly.min.js", priority=100
+        )  # this page only, before the figures
 
 
 def _downloads(app, exception):
@@ -69,8 +71,12 @@ def _downloads(app, exception):
 
     executed = pathlib.Path(app.env.mystnb_config.output_folder)
     # A glued value missing here is missing from the page too, and myst-nb warns about it there.
-    colab_edition.build(pathlib.Path(app.outdir) / "_sources", executed, allow_missing=True,
-                        root=pathlib.Path(app.srcdir))
+    colab_edition.build(
+        pathlib.Path(app.outdir) / "_sources",
+        executed,
+        allow_missing=True,
+        root=pathlib.Path(app.srcdir),
+    )
 
 
 def setup(app):

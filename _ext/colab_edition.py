@@ -35,8 +35,22 @@ import yaml
 # The repository (this file is _ext/colab_edition.py); a build passes its own source folder.
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-ADMONITIONS = {"note", "warning", "tip", "important", "caution", "attention", "danger", "error",
-               "hint", "seealso", "admonition", "margin", "sidebar", "topic"}
+ADMONITIONS = {
+    "note",
+    "warning",
+    "tip",
+    "important",
+    "caution",
+    "attention",
+    "danger",
+    "error",
+    "hint",
+    "seealso",
+    "admonition",
+    "margin",
+    "sidebar",
+    "topic",
+}
 FENCE = re.compile(r"^(\s*)(`{3,}|:{3,})\{([\w:.-]+)\}\s*(.*)$")
 CODE_FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})(.*)$")
 ROLE = re.compile(r"\{([\w:.-]+)\}`([^`]*)`")
@@ -77,25 +91,49 @@ def bibliography(root: pathlib.Path = ROOT) -> dict[str, str]:
     for m in re.finditer(r"@\w+\s*\{\s*([^,\s]+)\s*,(.*?)\n\}", text, re.S):
         key, body = m.group(1), m.group(2)
 
-        def field(name):
-            f = re.search(rf"\b{name}\s*=\s*[{{\"](.*?)[}}\"]\s*,?\s*$", body, re.M | re.I | re.S)
+        def field(name, body=body):
+            f = re.search(
+                rf"\b{name}\s*=\s*[{{\"](.*?)[}}\"]\s*,?\s*$", body, re.M | re.I | re.S
+            )
             return f.group(1) if f else ""
 
-        authors = [a.strip() for a in re.split(r"\s+and\s+", field("author")) if a.strip()]
-        names = [(a.split(",")[0] if "," in a else a.split()[-1]).strip("{} ") for a in authors]
-        who = names[0] if len(names) == 1 else (f"{names[0]} and {names[1]}" if len(names) == 2
-                                                else f"{names[0]} et al.") if names else key
+        authors = [
+            a.strip() for a in re.split(r"\s+and\s+", field("author")) if a.strip()
+        ]
+        names = [
+            (a.split(",")[0] if "," in a else a.split()[-1]).strip("{} ")
+            for a in authors
+        ]
+        who = (
+            names[0]
+            if len(names) == 1
+            else (
+                f"{names[0]} and {names[1]}"
+                if len(names) == 2
+                else f"{names[0]} et al."
+            )
+            if names
+            else key
+        )
         year = re.sub(r"\D", "", field("year"))[:4]
         out[key] = f"{who} ({year})" if year else who
     return out
 
 
-def page_titles_and_labels(files: list[str], root: pathlib.Path = ROOT) -> tuple[dict, dict]:
+def page_titles_and_labels(
+    files: list[str], root: pathlib.Path = ROOT
+) -> tuple[dict, dict]:
     """Each page's title (first '# ' heading) and each label -> (page, text, anchor)."""
     titles, labels = {}, {}
     for f in files:
-        path = next((root / f"{f}{s}" for s in (".ipynb", ".md") if (root / f"{f}{s}").exists()),
-                    None)
+        path = next(
+            (
+                root / f"{f}{s}"
+                for s in (".ipynb", ".md")
+                if (root / f"{f}{s}").exists()
+            ),
+            None,
+        )
         if path is None:
             continue
         if path.suffix == ".ipynb":
@@ -111,12 +149,12 @@ def page_titles_and_labels(files: list[str], root: pathlib.Path = ROOT) -> tuple
         for i, line in enumerate(lines):
             m = TARGET.match(line.strip())
             if m:  # (label)= before a heading
-                nxt = next((ln for ln in lines[i + 1:] if ln.strip()), "")
+                nxt = next((ln for ln in lines[i + 1 :] if ln.strip()), "")
                 labels[m.group(1)] = (f, nxt.lstrip("#").strip(), _anchor(m.group(1)))
             fm = FENCE.match(line)
             if fm and fm.group(3) == "exercise":
                 n_ex += 1
-                for opt in lines[i + 1:i + 6]:
+                for opt in lines[i + 1 : i + 6]:
                     om = re.match(r"\s*:label:\s*(\S+)", opt)
                     if om:
                         labels[om.group(1)] = (f, f"Exercise {n_ex}", om.group(1))
@@ -185,8 +223,16 @@ class Unresolved(Exception):
 
 
 class Converter:
-    def __init__(self, page: str, glue: dict, titles: dict, labels: dict, bib: dict, base: str,
-                 allow_missing: bool = False):
+    def __init__(
+        self,
+        page: str,
+        glue: dict,
+        titles: dict,
+        labels: dict,
+        bib: dict,
+        base: str,
+        allow_missing: bool = False,
+    ):
         self.page, self.glue, self.titles, self.labels = page, glue, titles, labels
         self.bib, self.base, self.allow_missing = bib, base, allow_missing
         self.exercises: dict[str, int] = {}
@@ -204,17 +250,27 @@ class Converter:
                 if not self.allow_missing:
                     raise Unresolved(f"{self.page}: no glued value for {key!r}")
                 return f"*(the value `{key}` is printed when you run the cells)*"
-            return format_plain_text(self.glue[key], fmt) if name in ("glue:text", "glue:") or fmt \
+            return (
+                format_plain_text(self.glue[key], fmt)
+                if name in ("glue:text", "glue:") or fmt
                 else format_plain_text(self.glue[key], "")
+            )
         if name == "doc":
             here = self.page.rsplit("/", 1)[0] if "/" in self.page else ""
-            path = target.lstrip("/") if target.startswith("/") else \
-                str(pathlib.PurePosixPath(here, target)) if here else target
+            path = (
+                target.lstrip("/")
+                if target.startswith("/")
+                else str(pathlib.PurePosixPath(here, target))
+                if here
+                else target
+            )
             path = path.removesuffix(".md").removesuffix(".ipynb")
             text = title or self.titles.get(path, path.split("/")[-1])
             return f"[{text}]({self.base}{path}.html)"
         if name in ("ref", "numref"):
-            page, text, anchor = self.labels.get(target, (None, target, _anchor(target)))
+            page, text, anchor = self.labels.get(
+                target, (None, target, _anchor(target))
+            )
             if page is None:
                 return title or target
             return f"[{title or text}]({self.base}{page}.html#{anchor})"
@@ -223,7 +279,13 @@ class Converter:
             refs = [self.bib.get(k, k) for k in keys]
             link = f"{self.base}book/bibliography.html"
             if name == "cite:p":
-                return "(" + "; ".join(f"[{r.replace(' (', ' ').rstrip(')')}]({link})" for r in refs) + ")"
+                return (
+                    "("
+                    + "; ".join(
+                        f"[{r.replace(' (', ' ').rstrip(')')}]({link})" for r in refs
+                    )
+                    + ")"
+                )
             return "; ".join(f"[{r}]({link})" for r in refs)
         if name == "math":
             return f"${content}$"
@@ -246,7 +308,9 @@ class Converter:
         lines, out, i = text.splitlines(), [], 0
         while i < len(lines):
             line = lines[i]
-            if TARGET.match(line.strip()) or re.match(r"^\s*%", line):  # targets, MyST comments
+            if TARGET.match(line.strip()) or re.match(
+                r"^\s*%", line
+            ):  # targets, MyST comments
                 i += 1
                 continue
             d = FENCE.match(line)
@@ -282,7 +346,7 @@ class Converter:
         if body and body[0].strip() == "---":  # YAML options block
             end = body.index("---", 1) if "---" in body[1:] else 0
             opts.update(yaml.safe_load("\n".join(body[1:end])) or {})
-            del body[:end + 1]
+            del body[: end + 1]
         return opts
 
     def directive(self, name: str, arg: str, body: list[str]) -> str:
@@ -294,7 +358,9 @@ class Converter:
             if "label" in opts:
                 self.exercises[opts["label"]] = n
             title = self.roles(arg)
-            return f"### Exercise {n}" + (f": {title}" if title else "") + f"\n\n{inner}"
+            return (
+                f"### Exercise {n}" + (f": {title}" if title else "") + f"\n\n{inner}"
+            )
         if name == "solution":
             n = self.exercises.get(arg)
             head = f"Solution to exercise {n}" if n else "Solution"
@@ -322,13 +388,17 @@ class Converter:
 def _fold(text: str, n: str, part: int) -> str:
     head = f"Solution to exercise {n}" if n else "Solution"
     head += ", continued" if part else ""
-    return f"<details>\n<summary>{head} (click to open)</summary>\n\n{text}\n\n</details>"
+    return (
+        f"<details>\n<summary>{head} (click to open)</summary>\n\n{text}\n\n</details>"
+    )
 
 
 def _solution_heading(n: str) -> str:
     head = f"Solution to exercise {n}" if n else "Solution"
-    return (f"#### {head}\n\nTry the exercise first. The solution's text is folded below "
-            "(*click to open*), its code cells are hidden: open them to read, run them to check.")
+    return (
+        f"#### {head}\n\nTry the exercise first. The solution's text is folded below "
+        "(*click to open*), its code cells are hidden: open them to read, run them to check."
+    )
 
 
 def convert(nb: dict, page: str, conv: Converter, note: str) -> dict:
@@ -347,7 +417,7 @@ def convert(nb: dict, page: str, conv: Converter, note: str) -> dict:
             pieces, at = [], 0
             text = conv.markdown(src)
             for m in [*SOLUTION_MARK.finditer(text), None]:
-                chunk = text[at:m.start() if m else len(text)].strip()
+                chunk = text[at : m.start() if m else len(text)].strip()
                 if chunk and solution is not None:
                     pieces.append(_fold(chunk, solution, part))
                     part += 1
@@ -368,14 +438,27 @@ def convert(nb: dict, page: str, conv: Converter, note: str) -> dict:
             cell["outputs"], cell["execution_count"] = [], None
             if solution is not None and cell["cell_type"] == "code":
                 head = f"Solution to exercise {solution}" if solution else "Solution"
-                cell["source"] = f"# @title {head}: code (open to read, run to check)\n" + src
+                cell["source"] = (
+                    f"# @title {head}: code (open to read, run to check)\n" + src
+                )
                 cell["metadata"].setdefault("jupyter", {})["source_hidden"] = True
-                cell["metadata"]["cellView"] = "form"  # Colab: the title shows, the code folds
+                cell["metadata"]["cellView"] = (
+                    "form"  # Colab: the title shows, the code folds
+                )
         cells.append(cell)
     # the note goes right after the title cell
-    title_at = next((i for i, c in enumerate(cells) if c["cell_type"] == "markdown"), -1)
-    cells.insert(title_at + 1, {"cell_type": "markdown", "id": "colab-edition-note", "metadata": {},
-                                "source": note})
+    title_at = next(
+        (i for i, c in enumerate(cells) if c["cell_type"] == "markdown"), -1
+    )
+    cells.insert(
+        title_at + 1,
+        {
+            "cell_type": "markdown",
+            "id": "colab-edition-note",
+            "metadata": {},
+            "source": note,
+        },
+    )
     for c in cells:
         if isinstance(c["source"], str):
             c["source"] = c["source"].splitlines(keepends=True)
@@ -390,15 +473,25 @@ def run_note(executed: dict | None) -> str:
         return "an earlier run"
     for cell in executed["cells"]:
         if "setup" in cell.get("metadata", {}).get("tags", []):
-            text = "".join("".join(o.get("text", "")) for o in cell.get("outputs", [])
-                           if o.get("output_type") == "stream")
+            text = "".join(
+                "".join(o.get("text", ""))
+                for o in cell.get("outputs", [])
+                if o.get("output_type") == "stream"
+            )
             if text.strip():
-                return "the run that built the website (" + text.strip().rstrip(".") + ")"
+                return (
+                    "the run that built the website (" + text.strip().rstrip(".") + ")"
+                )
     return "the run that built the website"
 
 
-def build(out_dir: pathlib.Path, executed_dir: pathlib.Path | None, allow_missing: bool = False,
-          only: list[str] | None = None, root: pathlib.Path = ROOT) -> list[pathlib.Path]:
+def build(
+    out_dir: pathlib.Path,
+    executed_dir: pathlib.Path | None,
+    allow_missing: bool = False,
+    only: list[str] | None = None,
+    root: pathlib.Path = ROOT,
+) -> list[pathlib.Path]:
     """Write the Colab edition of every chapter of ``root``'s _toc.yml (or those named in
     ``only``) under ``out_dir``, glued values taken from ``executed_dir``."""
     cfg = config(root)
@@ -412,13 +505,17 @@ def build(out_dir: pathlib.Path, executed_dir: pathlib.Path | None, allow_missin
         if not src.exists() or (only and pathlib.PurePath(f).name not in only):
             continue
         ex_path = executed_dir / f"{f}.ipynb" if executed_dir else None
-        executed = json.loads(ex_path.read_text()) if ex_path and ex_path.exists() else None
+        executed = (
+            json.loads(ex_path.read_text()) if ex_path and ex_path.exists() else None
+        )
         glue = glue_values(ex_path)
         conv = Converter(f, glue, titles, labels, bib, base, allow_missing)
-        note = (f"> **Colab edition** of [{titles.get(f, f)}]({base}{f}.html), generated from "
-                f"`{f}.ipynb` by `tools/colab_edition.py`. The numbers in the text were written in "
-                f"from {run_note(executed)}; running the cells recomputes and prints them. Links go "
-                "to the published book; exercises' solutions are folded: open them after trying.")
+        note = (
+            f"> **Colab edition** of [{titles.get(f, f)}]({base}{f}.html), generated from "
+            f"`{f}.ipynb` by `tools/colab_edition.py`. The numbers in the text were written in "
+            f"from {run_note(executed)}; running the cells recomputes and prints them. Links go "
+            "to the published book; exercises' solutions are folded: open them after trying."
+        )
         nb = convert(json.loads(src.read_text()), f, conv, note)
         dest = out_dir / f"{f}.ipynb"
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -429,15 +526,23 @@ def build(out_dir: pathlib.Path, executed_dir: pathlib.Path | None, allow_missin
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--executed", type=pathlib.Path, help="folder of the build's executed notebooks")
+    ap.add_argument(
+        "--executed", type=pathlib.Path, help="folder of the build's executed notebooks"
+    )
     ap.add_argument("--out", type=pathlib.Path, required=True)
-    ap.add_argument("--allow-missing", action="store_true",
-                    help="write a pointer to the output instead of failing on a missing glued value")
+    ap.add_argument(
+        "--allow-missing",
+        action="store_true",
+        help="write a pointer to the output instead of failing on a missing glued value",
+    )
     args = ap.parse_args(argv)
     try:
         written = build(args.out, args.executed, args.allow_missing)
     except Unresolved as exc:
-        print(f"error: {exc} (pass --executed with the build's executed notebooks)", file=sys.stderr)
+        print(
+            f"error: {exc} (pass --executed with the build's executed notebooks)",
+            file=sys.stderr,
+        )
         return 1
     print(f"Colab edition: {len(written)} notebooks in {args.out}")
     return 0

@@ -13,7 +13,10 @@ def _dedupe(app, pagename, templatename, context, doctree):
     seen, kept = set(), []
     for js in scripts:
         # an inline script's filename is None or '' depending on how it was registered
-        key = (getattr(js, "filename", js) or "", repr(sorted(getattr(js, "attributes", {}).items())))
+        key = (
+            getattr(js, "filename", js) or "",
+            repr(sorted(getattr(js, "attributes", {}).items())),
+        )
         if key not in seen:
             seen.add(key)
             kept.append(js)

@@ -16,7 +16,6 @@ So every element must satisfy |got − ref| ≤ u·|ref| + 1e-5·scale (+ 2**-24
 
 import pytest
 import torch
-
 from conftest import LOW_PRECISION, UNIT_ROUNDOFF
 
 #: The (n, dtype) rows of the normalization backward tests. Every dtype at 1, 7, 1000 and 4097
@@ -30,16 +29,22 @@ from conftest import LOW_PRECISION, UNIT_ROUNDOFF
 #: the interpreter, a quarter of these files' time; 33,001 costs an eighth of that. The forward
 #: tests keep every dtype at 262,147, the split forward in fp16 and bf16 included.
 #: test_rms_norm_backward and test_layer_norm_backward check that these rows reach those paths.
-NORM_BACKWARD_CASES = [pytest.param(n, dt, id=f"{n}-{str(dt)[6:]}")
-                       for n in (1, 7, 1000, 4097) for dt in LOW_PRECISION] + [
+NORM_BACKWARD_CASES = [
+    pytest.param(n, dt, id=f"{n}-{str(dt)[6:]}")
+    for n in (1, 7, 1000, 4097)
+    for dt in LOW_PRECISION
+] + [
     pytest.param(262147, torch.float32, id="262147-float32"),
     pytest.param(33001, torch.float16, id="33001-float16"),
-    pytest.param(33001, torch.bfloat16, id="33001-bfloat16")]
+    pytest.param(33001, torch.bfloat16, id="33001-bfloat16"),
+]
 
 FP32_SUM_RTOL = 1e-5
 
 
-def grad_bound(ref: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def grad_bound(
+    ref: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """Per-element bound on |got − ref| for a gradient stored in ``dtype`` (see the module docstring)."""
     u = UNIT_ROUNDOFF[dtype]
     fp = 1e-12 if dtype == torch.float64 else FP32_SUM_RTOL
@@ -47,14 +52,24 @@ def grad_bound(ref: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> to
     return u * ref.abs() + fp * scale + atol
 
 
-def assert_grad_close(got: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, what: str):
+def assert_grad_close(
+    got: torch.Tensor,
+    ref: torch.Tensor,
+    scale: torch.Tensor,
+    dtype: torch.dtype,
+    what: str,
+):
     """Elementwise check of a gradient against the float64 reference, NaN in the same places."""
     assert got is not None, f"{what}: no gradient was computed"
-    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != reference {tuple(ref.shape)}"
+    assert got.shape == ref.shape, (
+        f"{what}: shape {tuple(got.shape)} != reference {tuple(ref.shape)}"
+    )
     assert got.dtype == dtype, f"{what}: dtype {got.dtype}, expected {dtype}"
     got64 = got.detach().to(torch.float64).cpu()
     ref = ref.detach().to(torch.float64).cpu()
-    assert torch.equal(torch.isnan(got64), torch.isnan(ref)), f"{what}: NaN where the reference has none (or the reverse)"
+    assert torch.equal(torch.isnan(got64), torch.isnan(ref)), (
+        f"{what}: NaN where the reference has none (or the reverse)"
+    )
     finite = torch.isfinite(ref)
     err = (got64 - ref).abs()[finite]
     bound = grad_bound(ref, scale.to(torch.float64).cpu().expand_as(ref), dtype)[finite]

@@ -11,28 +11,36 @@ from __future__ import annotations
 import concurrent.futures
 import importlib.util
 import os
-import re
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-import yaml
-
 import run_once
+import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # $BOOK_TEST_DIR lets two test runs in one checkout use separate folders (each deletes its own).
-OUT = pathlib.Path(os.environ.get("BOOK_TEST_DIR", ROOT / "_build" / "test-book")).resolve()
+OUT = pathlib.Path(
+    os.environ.get("BOOK_TEST_DIR", ROOT / "_build" / "test-book")
+).resolve()
 
 
 LAST_RUN: dict = {}  # the latest execute_all() results, for the test summary
 
 #: What executing the chapters, building the HTML and the browser tests need beyond the kernels'
 #: packages (the import names of requirements.txt's book and test lines).
-BOOK_PACKAGES = ("nbformat", "nbclient", "ipykernel", "jupyter_book", "plotly", "playwright")
+BOOK_PACKAGES = (
+    "nbformat",
+    "nbclient",
+    "ipykernel",
+    "jupyter_book",
+    "plotly",
+    "playwright",
+)
 
 
 def missing_packages(names=BOOK_PACKAGES) -> list[str]:
@@ -45,8 +53,10 @@ def require(names=BOOK_PACKAGES) -> None:
     $REQUIRE_BROWSER, set by CI) a missing package is an error instead, never a silent skip."""
     if not missing_packages(names):
         return
-    reason = (f"the book's packages are not installed (missing: {', '.join(missing_packages())}): "
-              "pip install -r requirements.txt")
+    reason = (
+        f"the book's packages are not installed (missing: {', '.join(missing_packages())}): "
+        "pip install -r requirements.txt"
+    )
     if os.environ.get("REQUIRE_BOOK") or os.environ.get("REQUIRE_BROWSER"):
         raise RuntimeError(reason + " ($REQUIRE_BOOK or $REQUIRE_BROWSER is set)")
     import pytest
@@ -89,21 +99,37 @@ def execute(path: pathlib.Path) -> Execution:
     nb = nbformat.read(path, as_version=4)
     result = Execution(path)
     start = time.time()
-    client = NotebookClient(nb, timeout=900, kernel_name="python3", allow_errors=False,
-                            resources={"metadata": {"path": str(path.parent)}})
+    client = NotebookClient(
+        nb,
+        timeout=900,
+        kernel_name="python3",
+        allow_errors=False,
+        resources={"metadata": {"path": str(path.parent)}},
+    )
     try:
         client.execute()
     except CellExecutionError as exc:
-        failing = next((i for i, c in enumerate(nb.cells) if c.cell_type == "code"
-                        and any(o.get("output_type") == "error" for o in c.get("outputs", []))), None)
+        failing = next(
+            (
+                i
+                for i, c in enumerate(nb.cells)
+                if c.cell_type == "code"
+                and any(o.get("output_type") == "error" for o in c.get("outputs", []))
+            ),
+            None,
+        )
         where = _cell_label(nb, failing) if failing is not None else "a cell"
-        plain = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))  # drop the traceback's terminal colours
+        plain = re.sub(
+            r"\x1b\[[0-9;]*m", "", str(exc)
+        )  # drop the traceback's terminal colours
         result.error = f"chapter {path.relative_to(ROOT)}, {where} failed:\n{plain}"
     except Exception as exc:  # kernel died, timeout
         result.error = f"chapter {path.relative_to(ROOT)} could not be executed: {type(exc).__name__}: {exc}"
     result.seconds = time.time() - start
     for i, c in enumerate(nb.cells):
-        if c.cell_type == "code" and any(o.get("name") == "stderr" for o in c.get("outputs", [])):
+        if c.cell_type == "code" and any(
+            o.get("name") == "stderr" for o in c.get("outputs", [])
+        ):
             result.stderr_cells.append(i)
     dest = OUT / path.relative_to(ROOT)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -148,8 +174,12 @@ def reuse() -> dict[str, Execution]:
         nb = nbformat.read(done, as_version=4)
         if any(c.get("outputs") for c in nb.cells if c.cell_type == "code"):
             result = Execution(path)
-            result.stderr_cells = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"
-                                   and any(o.get("name") == "stderr" for o in c.get("outputs", []))]
+            result.stderr_cells = [
+                i
+                for i, c in enumerate(nb.cells)
+                if c.cell_type == "code"
+                and any(o.get("name") == "stderr" for o in c.get("outputs", []))
+            ]
             found[path.stem] = result
     LAST_RUN.clear()
     LAST_RUN.update(found)
@@ -161,12 +191,16 @@ def _to_json(results: dict[str, Execution]) -> dict:
 
 
 def _from_json(data: dict) -> dict[str, Execution]:
-    return {k: Execution(**{**v, "path": pathlib.Path(v["path"])}) for k, v in data.items()}
+    return {
+        k: Execution(**{**v, "path": pathlib.Path(v["path"])}) for k, v in data.items()
+    }
 
 
 def executed() -> dict[str, Execution]:
     """Every chapter executed, once per test run however many workers ask (run_once.py)."""
-    results = _from_json(run_once.once(OUT.parent, OUT.name, lambda: _to_json(execute_all())))
+    results = _from_json(
+        run_once.once(OUT.parent, OUT.name, lambda: _to_json(execute_all()))
+    )
     LAST_RUN.clear()
     LAST_RUN.update(results)
     return results
@@ -174,6 +208,7 @@ def executed() -> dict[str, Execution]:
 
 def html() -> tuple[int, str, pathlib.Path]:
     """The executed chapters rendered, once per test run: (code, log, html dir)."""
+
     def compute():
         executed()
         code, log, _ = build_html()
@@ -191,7 +226,9 @@ def last_run() -> dict[str, Execution]:
 
 def start_background(with_html: bool) -> None:
     """Begin executing the chapters (and building the HTML) in a background process."""
-    run_once.start(OUT.parent, OUT.name, "book_build:html" if with_html else "book_build:executed")
+    run_once.start(
+        OUT.parent, OUT.name, "book_build:html" if with_html else "book_build:executed"
+    )
 
 
 def build_html() -> tuple[int, str, pathlib.Path]:
@@ -199,7 +236,9 @@ def build_html() -> tuple[int, str, pathlib.Path]:
     for name in ("_toc.yml", "references.bib"):
         shutil.copy(ROOT / name, OUT / name)
     shutil.copytree(ROOT / "_ext", OUT / "_ext", dirs_exist_ok=True)
-    for f in toc_files():  # pages that are not notebooks (Markdown) are copied as they are
+    for (
+        f
+    ) in toc_files():  # pages that are not notebooks (Markdown) are copied as they are
         src = ROOT / f"{f}.md"
         if src.exists():
             (OUT / src.relative_to(ROOT)).parent.mkdir(parents=True, exist_ok=True)
@@ -212,12 +251,28 @@ def build_html() -> tuple[int, str, pathlib.Path]:
     # With $CHAPTERS the other chapters are unexecuted (their glue keys are missing): warnings are
     # then errors only when they name a selected chapter.
     strict = [] if only else ["-W"]
-    proc = subprocess.run([str(jb), "build", str(OUT), *strict, "-n", "--keep-going", "--builder", "html"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            str(jb),
+            "build",
+            str(OUT),
+            *strict,
+            "-n",
+            "--keep-going",
+            "--builder",
+            "html",
+        ],
+        capture_output=True,
+        text=True,
+    )
     log = proc.stdout + proc.stderr
     code = proc.returncode
     if only:
-        ours = [line for line in log.splitlines() if "WARNING" in line and any(f"/{c}." in line for c in only)]
+        ours = [
+            line
+            for line in log.splitlines()
+            if "WARNING" in line and any(f"/{c}." in line for c in only)
+        ]
         code = code or (1 if ours else 0)
         log += "\nwarnings in the selected chapters:\n" + "\n".join(ours)
     return code, log, OUT / "_build" / "html"

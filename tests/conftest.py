@@ -26,7 +26,12 @@ import normbook  # noqa: F401,E402  (sets TRITON_INTERPRET before any kernel is 
 from normbook import DEVICE  # noqa: E402
 
 # Unit roundoff u = 2**-(p) of each storage dtype: one correct rounding errs by at most u, relatively.
-UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float64: 2.0**-53}
+UNIT_ROUNDOFF = {
+    torch.float32: 2.0**-24,
+    torch.float16: 2.0**-11,
+    torch.bfloat16: 2.0**-8,
+    torch.float64: 2.0**-53,
+}
 LOW_PRECISION = [torch.float32, torch.float16, torch.bfloat16]
 
 
@@ -49,10 +54,16 @@ def assert_close_to_reference(out, ref, dtype, weight_max=1.0, what="output"):
     rtol, atol = norm_tolerance(dtype, weight_max)
     out64 = out.detach().to(torch.float64).cpu()
     ref = ref.detach().to(torch.float64).cpu()
-    assert out64.shape == ref.shape, f"{what}: shape {tuple(out64.shape)} != reference {tuple(ref.shape)}"
+    assert out64.shape == ref.shape, (
+        f"{what}: shape {tuple(out64.shape)} != reference {tuple(ref.shape)}"
+    )
     finite = torch.isfinite(ref)
-    assert torch.equal(torch.isnan(out64), torch.isnan(ref)), f"{what}: NaN where the reference has none (or the reverse)"
-    assert torch.equal(out64[~finite & ~torch.isnan(ref)], ref[~finite & ~torch.isnan(ref)]), f"{what}: Inf mismatch"
+    assert torch.equal(torch.isnan(out64), torch.isnan(ref)), (
+        f"{what}: NaN where the reference has none (or the reverse)"
+    )
+    assert torch.equal(
+        out64[~finite & ~torch.isnan(ref)], ref[~finite & ~torch.isnan(ref)]
+    ), f"{what}: Inf mismatch"
     err = (out64 - ref).abs()[finite]
     bound = (rtol * ref.abs() + atol)[finite]
     if err.numel():
@@ -72,7 +83,11 @@ def on_cpu(*tensors):
 
 
 def randn(*shape, dtype=torch.float32, scale=1.0, generator=None):
-    return (torch.randn(*shape, dtype=torch.float32, generator=generator) * scale).to(dtype).to(DEVICE)
+    return (
+        (torch.randn(*shape, dtype=torch.float32, generator=generator) * scale)
+        .to(dtype)
+        .to(DEVICE)
+    )
 
 
 @pytest.fixture
@@ -99,7 +114,9 @@ def executed_book():
     import book_build
 
     book_build.require(("nbformat", "nbclient", "ipykernel", "plotly"))
-    if os.environ.get("BOOK_REUSE"):  # a developer's shortcut: the previous run's results
+    if os.environ.get(
+        "BOOK_REUSE"
+    ):  # a developer's shortcut: the previous run's results
         return book_build.reuse()
     return book_build.executed()
 
@@ -109,10 +126,15 @@ def built_html(executed_book):
     import book_build
 
     book_build.require(("jupyter_book",))
-    if os.environ.get("BOOK_REUSE") and (book_build.OUT / "_build" / "html" / "index.html").exists():
+    if (
+        os.environ.get("BOOK_REUSE")
+        and (book_build.OUT / "_build" / "html" / "index.html").exists()
+    ):
         return book_build.OUT / "_build" / "html"
     code, log, html = book_build.html()
-    assert code == 0, "jupyter-book build of the executed chapters failed:\n" + log[-6000:]
+    assert code == 0, (
+        "jupyter-book build of the executed chapters failed:\n" + log[-6000:]
+    )
     return html
 
 
@@ -147,14 +169,26 @@ def browser():
 
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=chromium, headless=True, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        b = p.chromium.launch(
+            executable_path=chromium,
+            headless=True,
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+            ],
+        )
         yield b
         b.close()
 
 
-def assert_rejected_before_launch(monkeypatch, module: str, call, exc, words: str) -> None:
+def assert_rejected_before_launch(
+    monkeypatch, module: str, call, exc, words: str
+) -> None:
     """``call()`` raises ``exc`` with ``words`` in its message, and never reaches the launcher
     ``_forward`` of ``normbook.<module>`` (the module, not the function of the same name)."""
     import importlib
@@ -178,14 +212,21 @@ def assert_rejected_before_launch(monkeypatch, module: str, call, exc, words: st
 # loads the page once per viewport width (test_html.py).
 
 #: fixture -> (rank in the run's order, the background step that makes it)
-SHARED_FIXTURES = {"executed_book": (1, "book"), "built_html": (2, "html"), "inspector_table": (3, "inspector"),
-                   "inspector_verification": (3, "inspector")}
+SHARED_FIXTURES = {
+    "executed_book": (1, "book"),
+    "built_html": (2, "html"),
+    "inspector_table": (3, "inspector"),
+    "inspector_verification": (3, "inspector"),
+}
 
 
 def pytest_addoption(parser):
-    parser.addoption("--quick", action="store_true",
-                     help="the edit loop's subset (make test-quick): kernels at small sizes, prose and "
-                          "width checks; no chapter executed, no browser, no inspector compile")
+    parser.addoption(
+        "--quick",
+        action="store_true",
+        help="the edit loop's subset (make test-quick): kernels at small sizes, prose and "
+        "width checks; no chapter executed, no browser, no inspector compile",
+    )
 
 
 #: --quick: an integer parameter above this (a row length, a vocabulary) leaves the test to
@@ -193,31 +234,48 @@ def pytest_addoption(parser):
 QUICK_MAX_SIZE = 8192
 #: --quick leaves these to `make test` too: each starts Jupyter kernels, fresh interpreters or
 #: `make`, or runs the benchmark (its smoke run alone is minutes of interpreter time).
-QUICK_EXCLUDED = ("test_setup_cell.py::", "test_colab_edition.py::test_colab_edition_runs",
-                  "test_bench.py::", "test_import_order.py::", "test_gpu_check.py::",
-                  # measured at 50-100 s each here (whole models generating; large batches)
-                  "test_hf.py::test_greedy_generation_identical",
-                  "test_decode_attention.py::test_row_bits_do_not_depend_on_the_batch")
+QUICK_EXCLUDED = (
+    "test_setup_cell.py::",
+    "test_colab_edition.py::test_colab_edition_runs",
+    "test_bench.py::",
+    "test_import_order.py::",
+    "test_gpu_check.py::",
+    # measured at 50-100 s each here (whole models generating; large batches)
+    "test_hf.py::test_greedy_generation_identical",
+    "test_decode_attention.py::test_row_bits_do_not_depend_on_the_batch",
+)
 
 
 def _quick_excluded(item) -> bool:
     if _rank(item) or "browser" in item.fixturenames:
         return True
     params = getattr(item, "callspec", None) and item.callspec.params or {}
-    if any(isinstance(v, int) and not isinstance(v, bool) and v > QUICK_MAX_SIZE for v in params.values()):
+    if any(
+        isinstance(v, int) and not isinstance(v, bool) and v > QUICK_MAX_SIZE
+        for v in params.values()
+    ):
         return True
     return any(part in item.nodeid for part in QUICK_EXCLUDED)
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "xdist_group(name): tests that pytest-xdist keeps on one worker")
-    config.addinivalue_line("markers", "changes_page: a browser test that changes its shared page "
-                                       "(runs after the page's other tests; test_html.py)")
-    if not hasattr(config, "workerinput"):  # the controller (or a run without workers; a pytest
+    config.addinivalue_line(
+        "markers", "xdist_group(name): tests that pytest-xdist keeps on one worker"
+    )
+    config.addinivalue_line(
+        "markers",
+        "changes_page: a browser test that changes its shared page "
+        "(runs after the page's other tests; test_html.py)",
+    )
+    if not hasattr(
+        config, "workerinput"
+    ):  # the controller (or a run without workers; a pytest
         # that a test starts inherits $PYTEST_XDIST_WORKER, so the environment cannot tell)
         import run_once
 
-        os.environ[run_once.RUN_VAR] = uuid.uuid4().hex  # inherited by the workers it starts
+        os.environ[run_once.RUN_VAR] = (
+            uuid.uuid4().hex
+        )  # inherited by the workers it starts
 
 
 #: Fixtures that cost a minute each (the benchmark's smoke run, gpu_check's dry run): the tests
@@ -228,7 +286,10 @@ ONE_WORKER_FIXTURES = {"smoke": "bench-smoke", "dry_run": "gpu-check-dry-run"}
 
 
 def _rank(item) -> int:
-    return max([SHARED_FIXTURES[f][0] for f in item.fixturenames if f in SHARED_FIXTURES], default=0)
+    return max(
+        [SHARED_FIXTURES[f][0] for f in item.fixturenames if f in SHARED_FIXTURES],
+        default=0,
+    )
 
 
 def pytest_itemcollected(item):
@@ -254,34 +315,49 @@ def pytest_collection_modifyitems(config, items):
             items[:] = [item for item in items if not _quick_excluded(item)]
     order = {id(item): i for i, item in enumerate(items)}
     pages = sys.modules.get("test_html")
-    key = (pages.browser_order if pages else lambda item: ())
+    key = pages.browser_order if pages else lambda item: ()
     items.sort(key=lambda item: (_rank(item), key(item), order[id(item)]))
 
 
 def pytest_collection_finish(session):
     if session.config.option.collectonly or os.environ.get("BOOK_REUSE"):
         return
-    steps = {SHARED_FIXTURES[f][1] for item in session.items for f in item.fixturenames
-             if f in SHARED_FIXTURES}
+    steps = {
+        SHARED_FIXTURES[f][1]
+        for item in session.items
+        for f in item.fixturenames
+        if f in SHARED_FIXTURES
+    }
     if steps & {"book", "html"}:
         import book_build
 
-        if not book_build.missing_packages(("nbformat", "nbclient", "ipykernel", "plotly")):
-            book_build.start_background(with_html="html" in steps
-                                        and not book_build.missing_packages(("jupyter_book",)))
+        if not book_build.missing_packages(
+            ("nbformat", "nbclient", "ipykernel", "plotly")
+        ):
+            book_build.start_background(
+                with_html="html" in steps
+                and not book_build.missing_packages(("jupyter_book",))
+            )
     if "inspector" in steps:
         import run_once
         import test_inspect
 
         # Niced: its tests run last, so it takes the cores the tests leave (the chapters, which
         # the browser tests wait for, keep their priority).
-        run_once.start(test_inspect.STEP_DIR, test_inspect.STEP, "test_inspect:inspector_rows", nice=10)
+        run_once.start(
+            test_inspect.STEP_DIR,
+            test_inspect.STEP,
+            "test_inspect:inspector_rows",
+            nice=10,
+        )
 
 
 def pytest_sessionfinish(session, exitstatus):
     import run_once
 
-    run_once.finish(interrupted=bool(session.shouldstop or session.shouldfail) or exitstatus == 2)
+    run_once.finish(
+        interrupted=bool(session.shouldstop or session.shouldfail) or exitstatus == 2
+    )
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -170,9 +170,11 @@ FIGURES_LOOK_JS = r"""
 
 def set_theme_script(theme: str) -> str:
     """An init script that makes the pydata/book theme start in ``theme`` ("light" or "dark")."""
-    return (f"try {{ localStorage.setItem('mode', '{theme}'); localStorage.setItem('theme', '{theme}'); }}"
-            f" catch (e) {{}}; document.documentElement.dataset.theme = '{theme}';"
-            f" document.documentElement.dataset.mode = '{theme}';")
+    return (
+        f"try {{ localStorage.setItem('mode', '{theme}'); localStorage.setItem('theme', '{theme}'); }}"
+        f" catch (e) {{}}; document.documentElement.dataset.theme = '{theme}';"
+        f" document.documentElement.dataset.mode = '{theme}';"
+    )
 
 
 # ------------------------------------------------------------------ checks of a page's HTML
@@ -180,7 +182,9 @@ def set_theme_script(theme: str) -> str:
 # A table's delimiter row on a line of its own (|---|:--:|), its dashes possibly turned into en
 # or em dashes by Sphinx's smart quotes (which is what a raw table looks like on the page).
 PIPE_DELIMITER_ROW = __import__("re").compile(
-    r"^[ \t]*\|?(?:[ \t]*:?[-\u2013\u2014]+:?[ \t]*\|){1,}(?:[ \t]*:?[-\u2013\u2014]+:?)?[ \t]*$", 8)  # 8: re.M
+    r"^[ \t]*\|?(?:[ \t]*:?[-\u2013\u2014]+:?[ \t]*\|){1,}(?:[ \t]*:?[-\u2013\u2014]+:?)?[ \t]*$",
+    8,
+)  # 8: re.M
 
 
 def _main(html: str):
@@ -198,8 +202,11 @@ def raw_pipe_tables(html: str) -> list[str]:
     for el in main.find_all(["pre", "code", "script", "style"]):
         el.decompose()
     text = main.get_text(" ")
-    return [text[max(0, m.start() - 80):m.end() + 40].replace("\n", " ")
-            for m in PIPE_DELIMITER_ROW.finditer(text) if m.group(0).count("|") >= 2]
+    return [
+        text[max(0, m.start() - 80) : m.end() + 40].replace("\n", " ")
+        for m in PIPE_DELIMITER_ROW.finditer(text)
+        if m.group(0).count("|") >= 2
+    ]
 
 
 def split_streams(html: str) -> list[str]:
@@ -209,7 +216,10 @@ def split_streams(html: str) -> list[str]:
     for cell_output in _main(html).select("div.cell_output"):
         boxes = [c for c in cell_output.children if getattr(c, "name", None)]
         for a, b in zip(boxes, boxes[1:]):
-            for stream in ("stream", "stderr"):  # myst-nb's classes for stdout and stderr
+            for stream in (
+                "stream",
+                "stderr",
+            ):  # myst-nb's classes for stdout and stderr
                 if stream in a.get("class", []) and stream in b.get("class", []):
                     out.append(b.get_text()[:60])
     return out

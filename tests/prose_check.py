@@ -21,13 +21,15 @@ import re
 # A decimal (0.8485), scientific notation (1e-6, 2.5E+3) or a percentage (1%, 12.5 %, 8 percent).
 NUMBER = re.compile(
     r"(?<![\w.])("
-    r"\d+(?:\.\d+)?[eE][-+]?\d+"        # scientific
+    r"\d+(?:\.\d+)?[eE][-+]?\d+"  # scientific
     r"|\d+(?:\.\d+)?\s?(?:\\?%|percent)"  # percentage
-    r"|\d+\.\d+"                         # decimal
+    r"|\d+\.\d+"  # decimal
     r")(?![\w])"
 )
-_ROLE = re.compile(r"\{(?:glue|glue:text|glue:any|glue:md|doc|ref|numref|cite|cite:p|cite:t|eq|"
-                   r"download|term)\}`[^`]*`")
+_ROLE = re.compile(
+    r"\{(?:glue|glue:text|glue:any|glue:md|doc|ref|numref|cite|cite:p|cite:t|eq|"
+    r"download|term)\}`[^`]*`"
+)
 _LINK_TARGET = re.compile(r"\]\([^)]*\)")
 _FENCE = re.compile(r"^(```+|:::+)(.*)$")
 
@@ -56,4 +58,7 @@ def prose(markdown: str) -> str:
 
 def typed_numbers(markdown: str) -> list[str]:
     """Every decimal, scientific or percentage number in the prose of ``markdown``."""
-    return [m.group(1).replace(" ", "").replace("\\%", "%") for m in NUMBER.finditer(prose(markdown))]
+    return [
+        m.group(1).replace(" ", "").replace("\\%", "%")
+        for m in NUMBER.finditer(prose(markdown))
+    ]

@@ -42,7 +42,9 @@ def run_id() -> str:
 def _locked(path: pathlib.Path):
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)  # released when the holder exits, however it exits
+        fcntl.flock(
+            f, fcntl.LOCK_EX
+        )  # released when the holder exits, however it exits
         try:
             yield
         finally:
@@ -94,10 +96,17 @@ def start(directory: pathlib.Path, name: str, target: str, nice: int = 0) -> Non
     log = open(directory / f"{name}.{run_id()}.log", "w")
     # Its own process group, so that finish() stops its children too (the inspector's compilers);
     # and it stops itself when the process that started it is gone (a killed worker).
-    _STARTED.append(subprocess.Popen([sys.executable, __file__, target, str(os.getpid())], cwd=ROOT,
-                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True,
-                                     preexec_fn=(lambda: os.nice(nice)) if nice else None))
+    _STARTED.append(
+        subprocess.Popen(
+            [sys.executable, __file__, target, str(os.getpid())],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=(lambda: os.nice(nice)) if nice else None,
+        )
+    )
 
 
 def finish(interrupted: bool) -> None:
@@ -129,6 +138,8 @@ def _watch_parent(parent: int) -> None:
 
 if __name__ == "__main__":  # python tests/run_once.py module:function parent-pid
     sys.path.insert(0, str(ROOT / "tests"))
-    threading.Thread(target=_watch_parent, args=(int(sys.argv[2]),), daemon=True).start()
+    threading.Thread(
+        target=_watch_parent, args=(int(sys.argv[2]),), daemon=True
+    ).start()
     module, function = sys.argv[1].split(":")
     getattr(importlib.import_module(module), function)()

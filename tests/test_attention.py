@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import LOW_PRECISION, UNIT_ROUNDOFF, assert_rejected_before_launch, randn
+
 from normbook import DEVICE, attention
 from normbook import reference as ref
 from normbook.attention import _capability, tile_config, tiles_visited
@@ -36,8 +36,12 @@ def error_bound(q, k, v, out_dtype, causal=False, window=None, scale=None):
     keep = ref.attention_mask(q.shape[2], k.shape[2], causal, window)
     qk = qk.masked_fill(~keep, 0.0)
     delta = (q.shape[-1] + 4) * U32 * qk.amax(dim=-1, keepdim=True)
-    o = ref.attention(q.cpu(), k.cpu(), v.cpu(), causal=causal, scale=scale, window=window)
-    pv = ref.attention(q.cpu(), k.cpu(), v.abs().cpu(), causal=causal, scale=scale, window=window)
+    o = ref.attention(
+        q.cpu(), k.cpu(), v.cpu(), causal=causal, scale=scale, window=window
+    )
+    pv = ref.attention(
+        q.cpu(), k.cpu(), v.abs().cpu(), causal=causal, scale=scale, window=window
+    )
     u_p = 0.0 if out_dtype == torch.float32 else u
     acc = (k.shape[2] + 64) * U32
     atol = 2.0**-25 if out_dtype == torch.float16 else 0.0
@@ -48,18 +52,23 @@ def assert_within_bound(out, q, k, v, causal=False, window=None, scale=None):
     o, bound = error_bound(q, k, v, out.dtype, causal, window, scale)
     out64 = out.double().cpu()
     assert out64.shape == o.shape
-    assert not torch.isnan(out64).any(), "NaN in the output (poisoned, unwritten or 0/0)"
+    assert not torch.isnan(out64).any(), (
+        "NaN in the output (poisoned, unwritten or 0/0)"
+    )
     err = (out64 - o).abs()
     worst = torch.argmax(err - bound)
     assert bool((err <= bound).all()), (
-        f"error {err.flatten()[worst]:.3g} > bound {bound.flatten()[worst]:.3g} ({out.dtype})")
+        f"error {err.flatten()[worst]:.3g} > bound {bound.flatten()[worst]:.3g} ({out.dtype})"
+    )
     return err.max().item()
 
 
 def qkv(B, H, H_kv, seq_q, seq_k, D, dtype, scale=1.0):
-    return (randn(B, H, seq_q, D, dtype=dtype, scale=scale),
-            randn(B, H_kv, seq_k, D, dtype=dtype, scale=scale),
-            randn(B, H_kv, seq_k, D, dtype=dtype))
+    return (
+        randn(B, H, seq_q, D, dtype=dtype, scale=scale),
+        randn(B, H_kv, seq_k, D, dtype=dtype, scale=scale),
+        randn(B, H_kv, seq_k, D, dtype=dtype),
+    )
 
 
 SHAPES = [  # (B, H, H_kv, seq_q, seq_k, D): odd lengths, seq_q < = > seq_k, GQA, head_dim 1…128
@@ -95,7 +104,9 @@ def test_larger_head_dim_and_sequence(dtype):
 def test_matches_sdpa_with_gqa(dtype, is_causal):
     """SDPA's is_causal is top-left; its enable_gqa maps q head h to k/v head h // group."""
     q, k, v = qkv(1, 6, 2, 37, 53, 64, dtype)
-    expected = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
+    expected = F.scaled_dot_product_attention(
+        q, k, v, is_causal=is_causal, enable_gqa=True
+    )
     got = attention(q, k, v, causal="top_left" if is_causal else False)
     # Both are within about u·(|o| + Σp|v|) of the exact result (|v| ~ 1 here, the outputs
     # ~0.2): 4u covers the two errors together; a wrong head or mask is off by ~1e-2 or more.
@@ -114,8 +125,12 @@ def test_alignments_match_explicit_masks(seq_q, seq_k, alignment):
     q, k, v = qkv(1, 2, 2, seq_q, seq_k, 16, torch.float32)
     got = attention(q, k, v, causal=alignment)
     sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(DEVICE))
-    visible = mask.any(dim=1)  # rows with no key: SDPA and we both return 0 (checked below)
-    torch.testing.assert_close(got[:, :, visible], sdpa[:, :, visible], rtol=1e-5, atol=1e-6)
+    visible = mask.any(
+        dim=1
+    )  # rows with no key: SDPA and we both return 0 (checked below)
+    torch.testing.assert_close(
+        got[:, :, visible], sdpa[:, :, visible], rtol=1e-5, atol=1e-6
+    )
     assert bool((got[:, :, ~visible] == 0).all())
     if alignment == "bottom_right":
         torch.testing.assert_close(got, attention(q, k, v, causal=True), rtol=0, atol=0)
@@ -130,11 +145,17 @@ def test_sliding_window_matches_explicit_mask(seq_q, seq_k, window):
     i = torch.arange(seq_q)[:, None]
     j = torch.arange(seq_k)[None, :]
     offset = seq_k - seq_q
-    mask = (j <= i + offset) & (j > i + offset - window)  # Mistral: itself and window-1 before
+    mask = (j <= i + offset) & (
+        j > i + offset - window
+    )  # Mistral: itself and window-1 before
     assert bool((mask.sum(dim=1) <= window).all())
     visible = mask.any(dim=1)
-    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(DEVICE), enable_gqa=True)
-    torch.testing.assert_close(out[:, :, visible], sdpa[:, :, visible], rtol=1e-5, atol=1e-6)
+    sdpa = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask.to(DEVICE), enable_gqa=True
+    )
+    torch.testing.assert_close(
+        out[:, :, visible], sdpa[:, :, visible], rtol=1e-5, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
@@ -176,8 +197,12 @@ def test_strided_inputs_are_used_in_place():
     assert not q.is_contiguous() and not k.is_contiguous() and v.stride(-1) == 2
     out = attention(q, k, v, causal=True)
     assert_within_bound(out, q, k, v, causal=True)
-    torch.testing.assert_close(out, attention(q.contiguous(), k.contiguous(), v.contiguous(),
-                                              causal=True), rtol=0, atol=0)
+    torch.testing.assert_close(
+        out,
+        attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=True),
+        rtol=0,
+        atol=0,
+    )
 
 
 def test_scale_argument():
@@ -208,23 +233,27 @@ def test_nan_propagates_only_where_it_is_seen():
 
 # ---------------------------------------------------------------- work and memory
 
+
 def planned_tiles(seq_q, seq_k, causal, window, BLOCK_M, BLOCK_N):
     """The tiles a query tile must visit, counted the slow way: any visible key in the tile."""
     keep = ref.attention_mask(seq_q, seq_k, causal, window)
     n = 0
     for i0 in range(0, seq_q, BLOCK_M):
-        cols = keep[i0:i0 + BLOCK_M].any(dim=0)
+        cols = keep[i0 : i0 + BLOCK_M].any(dim=0)
         if window is None or not causal:
             # the kernel starts at key 0 (no window): count tiles up to the last visible one
             last = int(cols.nonzero().max()) if cols.any() else -1
             n += (last // BLOCK_N + 1) if last >= 0 else 0
         else:
-            n += sum(bool(cols[j0:j0 + BLOCK_N].any()) for j0 in range(0, seq_k, BLOCK_N))
+            n += sum(
+                bool(cols[j0 : j0 + BLOCK_N].any()) for j0 in range(0, seq_k, BLOCK_N)
+            )
     return n
 
 
-@pytest.mark.parametrize("causal, window", [(False, None), (True, None), ("top_left", None),
-                                            (True, 40)])
+@pytest.mark.parametrize(
+    "causal, window", [(False, None), (True, None), ("top_left", None), (True, 40)]
+)
 @pytest.mark.parametrize("seq_q, seq_k", [(256, 256), (100, 300), (300, 100)])
 def test_masked_tiles_are_skipped(seq_q, seq_k, causal, window):
     q, k, v = qkv(1, 1, 1, seq_q, seq_k, 16, torch.float16)
@@ -249,7 +278,9 @@ def test_no_score_matrix_is_allocated():
             out = func(*args, **(kwargs or {}))
             for t in out if isinstance(out, (tuple, list)) else [out]:
                 if isinstance(t, torch.Tensor):
-                    Allocations.biggest = max(Allocations.biggest, t.untyped_storage().nbytes())
+                    Allocations.biggest = max(
+                        Allocations.biggest, t.untyped_storage().nbytes()
+                    )
             return out
 
     seq = 256
@@ -262,6 +293,7 @@ def test_no_score_matrix_is_allocated():
 
 # ---------------------------------------------------------------- arguments
 
+
 def test_requires_grad_takes_the_autograd_path():
     """An input that requires grad gets a graph (its backward: test_attention_backward.py);
     under no_grad nothing is saved and the same output comes out."""
@@ -273,29 +305,70 @@ def test_requires_grad_takes_the_autograd_path():
     assert plain.grad_fn is None and torch.equal(out.detach(), plain)
 
 
-@pytest.mark.parametrize("call, exc, words", [
-    (lambda q, k, v: attention(q.double(), k, v), TypeError, "q must be float32"),
-    (lambda q, k, v: attention(q, k.half(), v), TypeError, "k must have q's dtype"),
-    (lambda q, k, v: attention(q[0], k, v), ValueError, "q must have 4 dimensions"),
-    (lambda q, k, v: attention(q, k[:, :, :, :8], v), ValueError, "head_dim"),
-    (lambda q, k, v: attention(q, k, v[:, :, :3]), ValueError, "v must have k's heads"),
-    (lambda q, k, v: attention(q, k.repeat(1, 3, 1, 1), v.repeat(1, 3, 1, 1)), ValueError,
-     "must divide q's heads"),
-    (lambda q, k, v: attention(q, k[:1], v[:1]), ValueError, "batch size"),
-    (lambda q, k, v: attention(q, k, v, causal="bottom"), ValueError, "causal must be"),
-    (lambda q, k, v: attention(q, k, v, scale="1"), TypeError, "scale must be"),
-    (lambda q, k, v: attention(q, k, v, scale=math.inf), ValueError, "scale must be finite"),
-    (lambda q, k, v: attention(q, k, v, causal=True, window=0), ValueError, "window must be"),
-    (lambda q, k, v: attention(q, k, v, causal=True, window=2.0), TypeError, "window must be"),
-    (lambda q, k, v: attention(q, k, v, window=4), ValueError, "window needs causal"),
-    (lambda q, k, v: attention(q.tolist(), k, v), TypeError, "q must be a torch.Tensor"),
-])
+@pytest.mark.parametrize(
+    "call, exc, words",
+    [
+        (lambda q, k, v: attention(q.double(), k, v), TypeError, "q must be float32"),
+        (lambda q, k, v: attention(q, k.half(), v), TypeError, "k must have q's dtype"),
+        (lambda q, k, v: attention(q[0], k, v), ValueError, "q must have 4 dimensions"),
+        (lambda q, k, v: attention(q, k[:, :, :, :8], v), ValueError, "head_dim"),
+        (
+            lambda q, k, v: attention(q, k, v[:, :, :3]),
+            ValueError,
+            "v must have k's heads",
+        ),
+        (
+            lambda q, k, v: attention(q, k.repeat(1, 3, 1, 1), v.repeat(1, 3, 1, 1)),
+            ValueError,
+            "must divide q's heads",
+        ),
+        (lambda q, k, v: attention(q, k[:1], v[:1]), ValueError, "batch size"),
+        (
+            lambda q, k, v: attention(q, k, v, causal="bottom"),
+            ValueError,
+            "causal must be",
+        ),
+        (lambda q, k, v: attention(q, k, v, scale="1"), TypeError, "scale must be"),
+        (
+            lambda q, k, v: attention(q, k, v, scale=math.inf),
+            ValueError,
+            "scale must be finite",
+        ),
+        (
+            lambda q, k, v: attention(q, k, v, causal=True, window=0),
+            ValueError,
+            "window must be",
+        ),
+        (
+            lambda q, k, v: attention(q, k, v, causal=True, window=2.0),
+            TypeError,
+            "window must be",
+        ),
+        (
+            lambda q, k, v: attention(q, k, v, window=4),
+            ValueError,
+            "window needs causal",
+        ),
+        (
+            lambda q, k, v: attention(q.tolist(), k, v),
+            TypeError,
+            "q must be a torch.Tensor",
+        ),
+    ],
+)
 def test_bad_arguments_are_rejected_before_launch(monkeypatch, call, exc, words):
     q, k, v = qkv(2, 4, 2, 5, 6, 16, torch.float32)
-    assert_rejected_before_launch(monkeypatch, "attention", lambda: call(q, k, v), exc, words)
+    assert_rejected_before_launch(
+        monkeypatch, "attention", lambda: call(q, k, v), exc, words
+    )
 
 
 def test_head_dim_above_128_is_rejected(monkeypatch):
     q, k, v = qkv(1, 1, 1, 2, 2, 160, torch.float32)
-    assert_rejected_before_launch(monkeypatch, "attention", lambda: attention(q, k, v),
-                                  ValueError, "head_dim must be between 1 and 128")
+    assert_rejected_before_launch(
+        monkeypatch,
+        "attention",
+        lambda: attention(q, k, v),
+        ValueError,
+        "head_dim must be between 1 and 128",
+    )

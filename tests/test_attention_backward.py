@@ -15,12 +15,17 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import (
+    LOW_PRECISION,
+    UNIT_ROUNDOFF,
+    assert_rejected_before_launch,
+    on_cpu,
+    randn,
+)
+from test_attention import error_bound
 
-from conftest import (LOW_PRECISION, UNIT_ROUNDOFF, assert_rejected_before_launch,
-                      on_cpu, randn)
 from normbook import DEVICE, attention
 from normbook import reference as ref
-from test_attention import error_bound
 
 # the module, not the function of the same name
 attention_module = importlib.import_module("normbook.attention")
@@ -78,11 +83,13 @@ def grad_bounds(q, k, v, do, causal=False, window=None, scale=None):
     L_abs = torch.where(torch.isfinite(L), L.abs(), torch.zeros_like(L))[..., None]
     eps = 2 * delta + (N + 72) * U32 + 4 * L_abs * U32
     _, err_o = error_bound(q, k, v, dtype, causal, window, scale)
-    e_D = (Dh + 4) * U32 * (do64.abs() * O.abs()).sum(-1, keepdim=True) \
-        + (do64.abs() * err_o).sum(-1, keepdim=True)
+    e_D = (Dh + 4) * U32 * (do64.abs() * O.abs()).sum(-1, keepdim=True) + (
+        do64.abs() * err_o
+    ).sum(-1, keepdim=True)
     e_dP = (Dh + 4) * U32 * (do64.abs() @ vr.abs().transpose(-1, -2))
-    err_ds = (P * (e_dP + e_D) + eps * P * (dP - Dv).abs() + u_low * dS.abs()
-              + sub * keep)
+    err_ds = (
+        P * (e_dP + e_D) + eps * P * (dP - Dv).abs() + u_low * dS.abs() + sub * keep
+    )
 
     def acc(n):  # fp32 sum of n terms, any order (a GPU's reduction tree too)
         return (n + 64) * U32
@@ -92,16 +99,20 @@ def grad_bounds(q, k, v, do, causal=False, window=None, scale=None):
 
     b_dq = abs(scale) * (err_ds @ kr.abs() + acc(N) * (dS.abs() @ kr.abs()))
     dSt = dS.abs().transpose(-1, -2)
-    b_dk = abs(scale) * per_kv_head(err_ds.transpose(-1, -2) @ q64.abs()
-                                    + acc(G * M) * (dSt @ q64.abs()))
-    b_dv = per_kv_head(((eps + u_low + acc(G * M)) * P).transpose(-1, -2) @ do64.abs()
-                       + sub * (keep.transpose(-1, -2) @ do64.abs()))
+    b_dk = abs(scale) * per_kv_head(
+        err_ds.transpose(-1, -2) @ q64.abs() + acc(G * M) * (dSt @ q64.abs())
+    )
+    b_dv = per_kv_head(
+        ((eps + u_low + acc(G * M)) * P).transpose(-1, -2) @ do64.abs()
+        + sub * (keep.transpose(-1, -2) @ do64.abs())
+    )
     bounds = tuple(b + u * g.abs() + sub for b, g in zip((b_dq, b_dk, b_dv), exact))
     return exact, bounds
 
 
-def assert_grads_within_bound(grads, q, k, v, do, causal=False, window=None,
-                              scale=None):
+def assert_grads_within_bound(
+    grads, q, k, v, do, causal=False, window=None, scale=None
+):
     exact, bounds = grad_bounds(q, k, v, do, causal, window, scale)
     worst = 0.0
     for name, g, e, b in zip(("dq", "dk", "dv"), grads, exact, bounds):
@@ -112,15 +123,18 @@ def assert_grads_within_bound(grads, q, k, v, do, causal=False, window=None,
         i = torch.argmax(err - b)
         assert bool((err <= b).all()), (
             f"{name} ({q.dtype}): error {err.flatten()[i]:.3g} > "
-            f"bound {b.flatten()[i]:.3g}")
+            f"bound {b.flatten()[i]:.3g}"
+        )
         worst = max(worst, (err / b.clamp_min(1e-300)).max().item())
     return worst  # the largest error as a fraction of its bound
 
 
 def qkv(B, H, H_kv, seq_q, seq_k, D, dtype, scale=1.0):
-    return (randn(B, H, seq_q, D, dtype=dtype, scale=scale).requires_grad_(),
-            randn(B, H_kv, seq_k, D, dtype=dtype, scale=scale).requires_grad_(),
-            randn(B, H_kv, seq_k, D, dtype=dtype).requires_grad_())
+    return (
+        randn(B, H, seq_q, D, dtype=dtype, scale=scale).requires_grad_(),
+        randn(B, H_kv, seq_k, D, dtype=dtype, scale=scale).requires_grad_(),
+        randn(B, H_kv, seq_k, D, dtype=dtype).requires_grad_(),
+    )
 
 
 def grads_of(q, k, v, do, **kw):
@@ -169,10 +183,16 @@ def test_sliding_window(seq_q, seq_k, window, dtype, poison_empty):
 def test_reference_formula_is_autograd_of_the_reference():
     """dS = P ∘ (dP − D) (normbook.reference.attention_backward) is what float64 autograd
     of the explicit-mask forward gives, masks, GQA and fully masked rows included."""
-    for causal, window, seq_q, seq_k in [(False, None, 6, 9), (True, None, 9, 4),
-                                         ("top_left", None, 5, 8), (True, 3, 8, 8)]:
-        q, k, v = (torch.randn(2, h, s, 5, dtype=torch.float64).requires_grad_()
-                   for h, s in ((4, seq_q), (2, seq_k), (2, seq_k)))
+    for causal, window, seq_q, seq_k in [
+        (False, None, 6, 9),
+        (True, None, 9, 4),
+        ("top_left", None, 5, 8),
+        (True, 3, 8, 8),
+    ]:
+        q, k, v = (
+            torch.randn(2, h, s, 5, dtype=torch.float64).requires_grad_()
+            for h, s in ((4, seq_q), (2, seq_k), (2, seq_k))
+        )
         do = torch.randn(2, 4, seq_q, 5, dtype=torch.float64)
         ref.attention(q, k, v, causal=causal, scale=0.7, window=window).backward(do)
         got = ref.attention_backward(q, k, v, do, causal, 0.7, window)
@@ -186,8 +206,9 @@ def test_saved_log_sum_exp(dtype, poison_empty):
     here).
     """
     q, k, v = (t.detach() for t in qkv(1, 2, 1, 40, 10, 16, dtype, scale=3.0))
-    _, _, lse = attention_module._forward(q, k, v, "bottom_right", 0.25, None,
-                                          save_lse=True)
+    _, _, lse = attention_module._forward(
+        q, k, v, "bottom_right", 0.25, None, save_lse=True
+    )
     assert lse.dtype == torch.float32 and lse.shape == (1, 2, 40)
     exact = ref.attention_lse(q.cpu(), k.cpu(), True, 0.25)
     empty = on_cpu(lse)[..., :30]
@@ -196,8 +217,9 @@ def test_saved_log_sum_exp(dtype, poison_empty):
     # here), the fp32 sum of ≤ 10 exponentials, two roundings of |L| (≲ 10): 1e-5 covers
     # them all; a missing log, a wrong base (log2 instead of ln) or a mask off by one
     # key does not.
-    torch.testing.assert_close(on_cpu(lse)[..., 30:].double(), exact[..., 30:],
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        on_cpu(lse)[..., 30:].double(), exact[..., 30:], rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
@@ -257,8 +279,9 @@ def test_gqa_sums_the_group_heads():
     # 1e-4.
     torch.testing.assert_close(dq, q2.grad, rtol=1e-4, atol=1e-5)
     for ours, repeated in ((dk, kr.grad), (dv, vr.grad)):
-        torch.testing.assert_close(ours, repeated.unflatten(1, (2, 4)).sum(2),
-                                   rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            ours, repeated.unflatten(1, (2, 4)).sum(2), rtol=1e-4, atol=1e-5
+        )
     assert_grads_within_bound((dq, dk, dv), q, k, v, do, causal="top_left")
 
 
@@ -363,16 +386,29 @@ def test_double_backward_is_refused():
         dq.sum().backward()
 
 
-@pytest.mark.parametrize("call, exc, words", [
-    (lambda q, k, v: attention(q, k.half(), v), TypeError, "k must have q's dtype"),
-    (lambda q, k, v: attention(q, k, v, causal="bottom"), ValueError, "causal must be"),
-    (lambda q, k, v: attention(q, k, v, window=4), ValueError, "window needs causal"),
-    (lambda q, k, v: attention(q, k[:, :, :, :8], v), ValueError, "head_dim"),
-])
-def test_bad_arguments_requiring_grad_are_rejected_before_launch(monkeypatch, call, exc,
-                                                                 words):
+@pytest.mark.parametrize(
+    "call, exc, words",
+    [
+        (lambda q, k, v: attention(q, k.half(), v), TypeError, "k must have q's dtype"),
+        (
+            lambda q, k, v: attention(q, k, v, causal="bottom"),
+            ValueError,
+            "causal must be",
+        ),
+        (
+            lambda q, k, v: attention(q, k, v, window=4),
+            ValueError,
+            "window needs causal",
+        ),
+        (lambda q, k, v: attention(q, k[:, :, :, :8], v), ValueError, "head_dim"),
+    ],
+)
+def test_bad_arguments_requiring_grad_are_rejected_before_launch(
+    monkeypatch, call, exc, words
+):
     """With inputs that require grad the same checks run first (the autograd path
     launches through the same _forward, which must never be reached)."""
     q, k, v = qkv(2, 4, 2, 5, 6, 16, torch.float32)
-    assert_rejected_before_launch(monkeypatch, "attention", lambda: call(q, k, v), exc,
-                                  words)
+    assert_rejected_before_launch(
+        monkeypatch, "attention", lambda: call(q, k, v), exc, words
+    )

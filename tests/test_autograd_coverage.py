@@ -38,8 +38,14 @@ def _rotary(batch, seq, head_dim):
 
 def _qk_args():
     cos, sin = _rotary(1, 3, 8)
-    return {"q": _randn(1, 3, 2, 8), "k": _randn(1, 3, 1, 8), "q_weight": _randn(8),
-            "k_weight": _randn(8), "cos": cos, "sin": sin}
+    return {
+        "q": _randn(1, 3, 2, 8),
+        "k": _randn(1, 3, 1, 8),
+        "q_weight": _randn(8),
+        "k_weight": _randn(8),
+        "cos": cos,
+        "sin": sin,
+    }
 
 
 #: name -> a function returning fresh tensor arguments by name (on DEVICE), passed as keywords.
@@ -48,26 +54,41 @@ def _qk_args():
 CALLS = {
     "rms_norm": lambda: {"x": _randn(3, 8), "weight": _randn(8)},
     "layer_norm": lambda: {"x": _randn(3, 8), "weight": _randn(8), "bias": _randn(8)},
-    "fused_add_rms_norm": lambda: {"x": _randn(2, 3, 8), "residual": _randn(2, 3, 8),
-                                   "weight": _randn(8)},
+    "fused_add_rms_norm": lambda: {
+        "x": _randn(2, 3, 8),
+        "residual": _randn(2, 3, 8),
+        "weight": _randn(8),
+    },
     "qk_norm_rope": _qk_args,
     "row_variance": lambda: {"x": _randn(3, 8)},
     "softmax": lambda: {"x": _randn(3, 8)},
-    "cross_entropy": lambda: {"logits": _randn(3, 8),
-                              "target": torch.tensor([0, 7, 3]).to(DEVICE)},
-    "attention": lambda: {"q": _randn(1, 2, 4, 16), "k": _randn(1, 1, 5, 16),
-                          "v": _randn(1, 1, 5, 16)},
+    "cross_entropy": lambda: {
+        "logits": _randn(3, 8),
+        "target": torch.tensor([0, 7, 3]).to(DEVICE),
+    },
+    "attention": lambda: {
+        "q": _randn(1, 2, 4, 16),
+        "k": _randn(1, 1, 5, 16),
+        "v": _randn(1, 1, 5, 16),
+    },
     "sample": lambda: {"logits": _randn(3, 8)},
     "swiglu": lambda: {"gate": _randn(2, 3, 8), "up": _randn(2, 3, 8)},
-    "linear_cross_entropy": lambda: {"hidden": _randn(5, 8), "weight": _randn(11, 8),
-                                     "target": torch.tensor([0, 10, -100, 3, 7]).to(DEVICE)},
-    "decode_attention": lambda: {"q": _randn(2, 2, 1, 16), "k_cache": _randn(2, 1, 6, 16),
-                                 "v_cache": _randn(2, 1, 6, 16),
-                                 "cache_seqlens": torch.tensor([6, 3]).to(DEVICE)},
+    "linear_cross_entropy": lambda: {
+        "hidden": _randn(5, 8),
+        "weight": _randn(11, 8),
+        "target": torch.tensor([0, 10, -100, 3, 7]).to(DEVICE),
+    },
+    "decode_attention": lambda: {
+        "q": _randn(2, 2, 1, 16),
+        "k_cache": _randn(2, 1, 6, 16),
+        "v_cache": _randn(2, 1, 6, 16),
+        "cache_seqlens": torch.tensor([6, 3]).to(DEVICE),
+    },
     "speculative_sample": lambda: {
         "draft_tokens": torch.tensor([[1, 4]]).to(DEVICE),
         "draft_probs": torch.softmax(_randn(1, 2, 6), -1),
-        "target_probs": torch.softmax(_randn(1, 3, 6), -1)},
+        "target_probs": torch.softmax(_randn(1, 3, 6), -1),
+    },
 }
 
 #: Public functions whose output is integer-valued by nature (token indices, as torch.argmax):
@@ -87,14 +108,19 @@ VARIANTS = {"rms_norm": CONVENTIONS, "fused_add_rms_norm": CONVENTIONS}
 
 
 def _public_callables():
-    return sorted(n for n in normbook.__all__ if callable(getattr(normbook, n))
-                  and not isinstance(getattr(normbook, n), type))
+    return sorted(
+        n
+        for n in normbook.__all__
+        if callable(getattr(normbook, n)) and not isinstance(getattr(normbook, n), type)
+    )
 
 
 def test_every_public_function_is_walked():
     unknown = set(_public_callables()) - set(CALLS) - NO_TENSOR_INPUTS
-    assert not unknown, (f"public functions {sorted(unknown)} are not walked by this test: add "
-                         "them to CALLS (or NO_TENSOR_INPUTS if they take no tensor)")
+    assert not unknown, (
+        f"public functions {sorted(unknown)} are not walked by this test: add "
+        "them to CALLS (or NO_TENSOR_INPUTS if they take no tensor)"
+    )
     for name in CALLS:
         params = inspect.signature(getattr(normbook, name)).parameters
         missing = set(CALLS[name]()) - set(params)
@@ -111,16 +137,25 @@ def _cases():
             for extra in variants:
                 marks = ()
                 if (name, arg) in KNOWN_GAPS:
-                    marks = pytest.mark.xfail(strict=True, reason=KNOWN_GAPS[(name, arg)])
+                    marks = pytest.mark.xfail(
+                        strict=True, reason=KNOWN_GAPS[(name, arg)]
+                    )
                 tag = "-".join(f"{k}={v}" for k, v in extra.items())
-                yield pytest.param(name, arg, extra, marks=marks,
-                                   id=f"{name}-{arg}" + (f"-{tag}" if tag else ""))
+                yield pytest.param(
+                    name,
+                    arg,
+                    extra,
+                    marks=marks,
+                    id=f"{name}-{arg}" + (f"-{tag}" if tag else ""),
+                )
 
 
 def _documented_constant(fn, arg: str) -> bool:
     """The docstring says, in one sentence, that ``arg`` is treated as a constant (no gradient)."""
     doc = " ".join((fn.__doc__ or "").split())
-    return any(arg in sentence and "constant" in sentence for sentence in doc.split(". "))
+    return any(
+        arg in sentence and "constant" in sentence for sentence in doc.split(". ")
+    )
 
 
 def _float_tensors(out):
@@ -137,18 +172,23 @@ def test_gradient_is_kept_or_refused(name, arg, extra):
         out = fn(**kwargs)
     except (TypeError, ValueError, RuntimeError) as e:
         # Refusing is allowed, but the message must say which argument is the problem.
-        assert arg in str(e), f"{name} refused a gradient for {arg!r} without naming it: {e}"
+        assert arg in str(e), (
+            f"{name} refused a gradient for {arg!r} without naming it: {e}"
+        )
         return
     if name in INTEGER_OUTPUTS:
         for t in out if isinstance(out, tuple) else (out,):
-            assert not t.is_floating_point() and t.grad_fn is None, \
+            assert not t.is_floating_point() and t.grad_fn is None, (
                 f"{name}: expected integer output"
+            )
         return
     outs = _float_tensors(out)
     assert outs, f"{name} returned no float tensor"
     detached = [i for i, t in enumerate(outs) if t.grad_fn is None]
-    assert not detached, (f"{name}: output(s) {detached} have no grad_fn although {arg!r} "
-                          "requires grad: the gradient is silently dropped")
+    assert not detached, (
+        f"{name}: output(s) {detached} have no grad_fn although {arg!r} "
+        "requires grad: the gradient is silently dropped"
+    )
     # Random upstream gradients, so that no output's contribution can vanish by symmetry.
     grads = [torch.randn_like(t) for t in outs]
     torch.autograd.backward(outs, grads)
@@ -156,5 +196,7 @@ def test_gradient_is_kept_or_refused(name, arg, extra):
     if g is None and _documented_constant(fn, arg):
         return  # e.g. RoPE's cos/sin: the docstring says they are treated as constants
     assert g is not None, f"{name}: backward gave {arg!r} no gradient"
-    assert g.shape == kwargs[arg].shape, f"{name}: grad of {arg!r} has shape {tuple(g.shape)}"
+    assert g.shape == kwargs[arg].shape, (
+        f"{name}: grad of {arg!r} has shape {tuple(g.shape)}"
+    )
     assert bool(torch.isfinite(g).all()), f"{name}: non-finite gradient for {arg!r}"

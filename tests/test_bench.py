@@ -18,7 +18,18 @@ import torch
 from normbook import DEVICE
 from normbook.lab import bench
 
-FIELDS = ["gpu", "device", "torch", "triton", "dtype", "date", "command", "git_commit", "timer", "smoke"]
+FIELDS = [
+    "gpu",
+    "device",
+    "torch",
+    "triton",
+    "dtype",
+    "date",
+    "command",
+    "git_commit",
+    "timer",
+    "smoke",
+]
 
 
 @pytest.fixture(scope="session")  # one xdist group (conftest.ONE_WORKER_FIXTURES)
@@ -51,20 +62,30 @@ def test_smoke_run_covers_every_case_and_provider(smoke):
     result, _, _ = smoke
     rows = result["results"]
     for case in bench.CASES:
-        mine = [r for r in rows if (r["kernel"], r["direction"]) == (case.kernel, case.direction)]
+        mine = [
+            r
+            for r in rows
+            if (r["kernel"], r["direction"]) == (case.kernel, case.direction)
+        ]
         assert mine, f"{case.name} missing from the results"
         if mine[0]["provider"] == "all":
             assert mine[0]["status"] == "skipped" and mine[0]["note"]
             continue
         assert {r["provider"] for r in mine} == set(bench.PROVIDERS)
-        if case.shapes is not None:  # a case with its own shapes (decode_attention: M, cache)
-            assert {(r["M"], r["N"], r["regime"]) for r in mine} == set(case.shapes(True))
+        if (
+            case.shapes is not None
+        ):  # a case with its own shapes (decode_attention: M, cache)
+            assert {(r["M"], r["N"], r["regime"]) for r in mine} == set(
+                case.shapes(True)
+            )
         else:
-            assert {r["N"] for r in mine} == (set(bench.SMOKE_SWEEP)
-                                              | {n for _, n in bench.SMOKE_DECODE})
+            assert {r["N"] for r in mine} == (
+                set(bench.SMOKE_SWEEP) | {n for _, n in bench.SMOKE_DECODE}
+            )
             assert {r["regime"] for r in mine} == {"sweep", "decode"}
-            assert {(r["M"], r["N"]) for r in mine
-                    if r["regime"] == "decode"} == set(bench.SMOKE_DECODE)
+            assert {(r["M"], r["N"]) for r in mine if r["regime"] == "decode"} == set(
+                bench.SMOKE_DECODE
+            )
         for r in mine:
             assert r["status"] in ("ok", "skipped", "error")
             if r["provider"] in ("normbook", "torch eager"):
@@ -74,7 +95,11 @@ def test_smoke_run_covers_every_case_and_provider(smoke):
 
 
 def test_smoke_run_times_the_existing_kernels(smoke):
-    ok = {(r["kernel"], r["direction"]) for r in smoke[0]["results"] if r["provider"] == "normbook" and r["status"] == "ok"}
+    ok = {
+        (r["kernel"], r["direction"])
+        for r in smoke[0]["results"]
+        if r["provider"] == "normbook" and r["status"] == "ok"
+    }
     assert ("rms_norm", "forward") in ok and ("fused_add_rms_norm", "forward") in ok
 
 
@@ -82,8 +107,12 @@ def test_bytes_are_the_tensor_sizes():
     """The model: every tensor that must be read or written, once. Written out by hand here."""
     M, N, s = 8, 256, 2
     dt = torch.bfloat16
-    assert bench.build_rms_norm(M, N, dt, DEVICE).nbytes == 2 * M * N * s + N * s          # x, y; w
-    assert bench.build_fused_add_rms_norm(M, N, dt, DEVICE).nbytes == 4 * M * N * s + N * s  # x, r, y, h; w
+    assert (
+        bench.build_rms_norm(M, N, dt, DEVICE).nbytes == 2 * M * N * s + N * s
+    )  # x, y; w
+    assert (
+        bench.build_fused_add_rms_norm(M, N, dt, DEVICE).nbytes == 4 * M * N * s + N * s
+    )  # x, r, y, h; w
     try:
         back = bench.build_rms_norm(M, N, dt, DEVICE, backward=True)
     except bench.Skip:
@@ -95,7 +124,9 @@ def test_bytes_are_the_tensor_sizes():
     except bench.Skip:
         return
     hq, hk, d = 8, 2, bench.HEAD_DIM
-    assert qk.nbytes == 2 * M * (hq + hk) * d * s + 2 * d * s + 2 * M * d * s  # q, k in and out; weights; cos, sin
+    assert (
+        qk.nbytes == 2 * M * (hq + hk) * d * s + 2 * d * s + 2 * M * d * s
+    )  # q, k in and out; weights; cos, sin
 
 
 def test_missing_kernel_is_reported_as_skipped():
@@ -105,28 +136,59 @@ def test_missing_kernel_is_reported_as_skipped():
     def build_attr(M, N, dtype, device):
         raise AttributeError("module 'kernels' has no attribute 'layer_norm'")
 
-    cases = [bench.Case("no_such_kernel", "forward", build), bench.Case("layer_norm", "forward", build_attr)]
-    rows = bench.run(cases, [256, 512], elements=512, dtype=torch.float32, providers=bench.PROVIDERS,
-                     timer=bench.wall_time_ms, copy_gbps=1.0, compile_ok=False, log=lambda *_: None)
-    assert [r["status"] for r in rows] == ["skipped", "skipped"]  # one row per case, not per size
+    cases = [
+        bench.Case("no_such_kernel", "forward", build),
+        bench.Case("layer_norm", "forward", build_attr),
+    ]
+    rows = bench.run(
+        cases,
+        [256, 512],
+        elements=512,
+        dtype=torch.float32,
+        providers=bench.PROVIDERS,
+        timer=bench.wall_time_ms,
+        copy_gbps=1.0,
+        compile_ok=False,
+        log=lambda *_: None,
+    )
+    assert [r["status"] for r in rows] == [
+        "skipped",
+        "skipped",
+    ]  # one row per case, not per size
     assert "does not exist yet" in rows[0]["note"]
 
 
 def _problem(ours):
     x, w = torch.randn(4, 64, device=DEVICE), torch.randn(64, device=DEVICE)
-    return bench.Problem((x, w), bench.timing.bytes_moved(x, w, x), ours, bench.torch_rms_norm,
-                         liger=lambda x, w: 1 / 0)
+    return bench.Problem(
+        (x, w),
+        bench.timing.bytes_moved(x, w, x),
+        ours,
+        bench.torch_rms_norm,
+        liger=lambda x, w: 1 / 0,
+    )
 
 
 def test_a_failing_or_wrong_provider_does_not_stop_the_run():
     case = bench.Case("rms_norm", "forward", lambda *a: None)
     wrong = lambda x, w: bench.torch_rms_norm(x, w) * 1.5  # noqa: E731
-    rows = bench.run_problem(case, _problem(wrong), 4, 64, ["normbook", "torch eager", "liger"],
-                             bench.wall_time_ms, 1.0, torch.float32, compile_ok=False)
+    rows = bench.run_problem(
+        case,
+        _problem(wrong),
+        4,
+        64,
+        ["normbook", "torch eager", "liger"],
+        bench.wall_time_ms,
+        1.0,
+        torch.float32,
+        compile_ok=False,
+    )
     by = {r["provider"]: r for r in rows}
     assert by["normbook"]["check"].startswith("MISMATCH")
     assert by["torch eager"]["check"] == "ok"
-    assert by["liger"]["status"] == "error" and "ZeroDivisionError" in by["liger"]["note"]
+    assert (
+        by["liger"]["status"] == "error" and "ZeroDivisionError" in by["liger"]["note"]
+    )
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="on a GPU the full run is allowed")
@@ -161,12 +223,21 @@ def test_loader_ignores_smoke_runs_and_reads_gpu_runs(smoke, tmp_path):
     result, out, _ = smoke
     assert bench.load_runs(out) == []
     data = json.loads(result["json"].read_text())
-    data["provenance"].update(smoke=False, interpreter=False, device="cuda:0", timer=bench.DO_BENCH, gpu="test double")
+    data["provenance"].update(
+        smoke=False,
+        interpreter=False,
+        device="cuda:0",
+        timer=bench.DO_BENCH,
+        gpu="test double",
+    )
     (tmp_path / "run.json").write_text(json.dumps(data))
     runs = bench.load_runs(tmp_path)
     assert len(runs) == 1 and "test double" in bench.label(runs[0])
     table = bench.summary(runs[0])
-    assert {(t["kernel"], t["provider"]) for t in table} >= {("rms_norm", "normbook"), ("rms_norm", "torch eager")}
+    assert {(t["kernel"], t["provider"]) for t in table} >= {
+        ("rms_norm", "normbook"),
+        ("rms_norm", "torch eager"),
+    }
     import matplotlib
 
     matplotlib.use("Agg")
@@ -179,7 +250,9 @@ def test_recorded_results_carry_their_provenance():
     for path in sorted(bench.DATA_DIR.glob("*.json")):
         data = json.loads(path.read_text())
         prov = data["provenance"]
-        assert prov["smoke"] is False and str(prov["device"]).startswith("cuda"), path.name
+        assert prov["smoke"] is False and str(prov["device"]).startswith("cuda"), (
+            path.name
+        )
         for key in FIELDS:
             assert prov.get(key) not in (None, ""), f"{path.name}: {key}"
         assert path.with_suffix(".csv").exists(), f"{path.name} has no CSV twin"
@@ -188,12 +261,31 @@ def test_recorded_results_carry_their_provenance():
 
 def test_command_line_entry_point(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "normbook.lab.bench", "--smoke", "--out", str(tmp_path),
-         "--cases", "fused_add_rms_norm.forward", "--sizes", "256", "--providers", "normbook,torch eager"],
-        capture_output=True, text=True, timeout=300, cwd=pathlib.Path(bench.ROOT))
+        [
+            sys.executable,
+            "-m",
+            "normbook.lab.bench",
+            "--smoke",
+            "--out",
+            str(tmp_path),
+            "--cases",
+            "fused_add_rms_norm.forward",
+            "--sizes",
+            "256",
+            "--providers",
+            "normbook,torch eager",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=pathlib.Path(bench.ROOT),
+    )
     assert proc.returncode == 0, proc.stderr
     assert "fused_add_rms_norm.forward" in proc.stdout
-    assert len(list(tmp_path.glob("*_smoke.json"))) == 1 and len(list(tmp_path.glob("*_smoke.csv"))) == 1
+    assert (
+        len(list(tmp_path.glob("*_smoke.json"))) == 1
+        and len(list(tmp_path.glob("*_smoke.csv"))) == 1
+    )
 
 
 def test_smoke_run_records_no_errors(smoke):
@@ -210,25 +302,51 @@ def test_a_failing_row_is_reported_loudly(monkeypatch, tmp_path, capsys):
         raise RuntimeError("kernel exploded")
 
     def build(M, N, dtype, device):
-        x, w = torch.randn(M, N, device=device, dtype=dtype), torch.randn(N, device=device, dtype=dtype)
-        return bench.Problem((x, w), bench.timing.bytes_moved(x, w, x), broken, bench.torch_rms_norm)
+        x, w = (
+            torch.randn(M, N, device=device, dtype=dtype),
+            torch.randn(N, device=device, dtype=dtype),
+        )
+        return bench.Problem(
+            (x, w), bench.timing.bytes_moved(x, w, x), broken, bench.torch_rms_norm
+        )
 
     monkeypatch.setattr(bench.runner, "CASES", [bench.Case("broken", "forward", build)])
-    argv = ["--smoke", "--out", str(tmp_path), "--sizes", "256", "--no-decode", "--providers", "normbook,torch eager"]
+    argv = [
+        "--smoke",
+        "--out",
+        str(tmp_path),
+        "--sizes",
+        "256",
+        "--no-decode",
+        "--providers",
+        "normbook,torch eager",
+    ]
     result = bench.main(argv, log=lambda *_: None)
     err = capsys.readouterr().err
-    assert "normbook.lab.bench ERROR" in err and "kernel exploded" in err and "1 row(s) failed" in err
+    assert (
+        "normbook.lab.bench ERROR" in err
+        and "kernel exploded" in err
+        and "1 row(s) failed" in err
+    )
     assert result["failed"] is True
-    assert [r["provider"] for r in json.loads(result["json"].read_text())["errors"]] == ["normbook"]
+    assert [
+        r["provider"] for r in json.loads(result["json"].read_text())["errors"]
+    ] == ["normbook"]
     monkeypatch.setattr(sys, "argv", ["normbook.lab.bench", *argv])
     assert bench.runner.cli() == 1
 
 
 def test_only_liger_failing_does_not_fail_the_run():
-    rows = [{"provider": "liger", "status": "error", "check": ""},
-            {"provider": "normbook", "status": "ok", "check": "ok"}]
+    rows = [
+        {"provider": "liger", "status": "error", "check": ""},
+        {"provider": "normbook", "status": "ok", "check": "ok"},
+    ]
     assert bench.errors_of(rows) == rows[:1] and bench.failing(rows[:1]) == []
-    mismatch = {"provider": "normbook", "status": "ok", "check": "MISMATCH (max error 0.5)"}
+    mismatch = {
+        "provider": "normbook",
+        "status": "ok",
+        "check": "MISMATCH (max error 0.5)",
+    }
     assert bench.failing(bench.errors_of([mismatch])) == [mismatch]
 
 
@@ -247,10 +365,22 @@ def test_compiled_backward_is_timed_again_and_again(monkeypatch):
         calls.append(torch._functorch.config.donated_buffer)
         return 1.0
 
-    rows = bench.run_problem(case, problem, 4, 256, ["torch.compile"], timer, 1.0, torch.float32, compile_ok=True)
+    rows = bench.run_problem(
+        case,
+        problem,
+        4,
+        256,
+        ["torch.compile"],
+        timer,
+        1.0,
+        torch.float32,
+        compile_ok=True,
+    )
     assert rows[0]["status"] == "ok" and rows[0]["check"] == "ok", rows[0]
     assert calls == [False]
-    assert torch._functorch.config.donated_buffer is True  # restored after the provider ran
+    assert (
+        torch._functorch.config.donated_buffer is True
+    )  # restored after the provider ran
 
 
 def test_compile_sizes_limits_where_torch_compile_is_timed(monkeypatch):
@@ -260,15 +390,39 @@ def test_compile_sizes_limits_where_torch_compile_is_timed(monkeypatch):
         problem_calls.append(N)
         return _problem(lambda x, w: bench.torch_rms_norm(x, w))
 
-    monkeypatch.setattr(bench.runner, "run_problem",
-                        lambda case, problem, M, N, providers, timer, copy, dtype, compile_ok:
-                        [bench.runner._row(case, "torch.compile", M=M, N=N, ms=1.0, **{"GB/s": 1.0},
-                                           status="ok" if compile_ok else "skipped")])
-    rows = bench.run([bench.Case("x", "forward", build)], [256, 512], elements=512, dtype=torch.float32,
-                     providers=["torch.compile"], timer=None, copy_gbps=1.0, compile_ok=True,
-                     log=lambda *_: None, decode=[(1, 256)], compile_sizes={512})
+    monkeypatch.setattr(
+        bench.runner,
+        "run_problem",
+        lambda case, problem, M, N, providers, timer, copy, dtype, compile_ok: [
+            bench.runner._row(
+                case,
+                "torch.compile",
+                M=M,
+                N=N,
+                ms=1.0,
+                **{"GB/s": 1.0},
+                status="ok" if compile_ok else "skipped",
+            )
+        ],
+    )
+    rows = bench.run(
+        [bench.Case("x", "forward", build)],
+        [256, 512],
+        elements=512,
+        dtype=torch.float32,
+        providers=["torch.compile"],
+        timer=None,
+        copy_gbps=1.0,
+        compile_ok=True,
+        log=lambda *_: None,
+        decode=[(1, 256)],
+        compile_sizes={512},
+    )
     assert [(r["N"], r["regime"], r["status"]) for r in rows] == [
-        (256, "sweep", "skipped"), (512, "sweep", "ok"), (256, "decode", "skipped")]
+        (256, "sweep", "skipped"),
+        (512, "sweep", "ok"),
+        (256, "decode", "skipped"),
+    ]
 
 
 # ---------------------------------------------------------------- a recorded run in the book
@@ -284,11 +438,20 @@ def test_recorded_run_fixture_reads_like_a_gpu_run():
     assert len(runs) == 1
     run = runs[0]
     label = bench.label(run)
-    for text in ("Test double GPU", "torch 2.11.0+cu130", "triton 3.6.0", "CUDA 13.0", "2026-01-02"):
+    for text in (
+        "Test double GPU",
+        "torch 2.11.0+cu130",
+        "triton 3.6.0",
+        "CUDA 13.0",
+        "2026-01-02",
+    ):
         assert text in label, (text, label)
     table = bench.comparison(run)
     assert table is not None and table["meta"]["same_denominator"] is True
-    assert {r["case"] for r in table["rows"]} == {"rms_norm.forward", "rms_norm.backward"}
+    assert {r["case"] for r in table["rows"]} == {
+        "rms_norm.forward",
+        "rms_norm.backward",
+    }
 
 
 def test_timing_cells_show_a_recorded_run_on_a_cpu(monkeypatch, capsys):
@@ -305,16 +468,26 @@ def test_timing_cells_show_a_recorded_run_on_a_cpu(monkeypatch, capsys):
     assert bench.timing.compare({"ours": lambda: normbook.rms_norm(x, w)}, 1) is None
     out = capsys.readouterr().out
     assert bench.timing.CPU_NOTE in out
-    for text in ("Test double GPU", "2026-01-02", "torch 2.11.0+cu130", "triton 3.6.0",
-                 "CUDA 13.0", "recorded in tests/fixtures/recorded_run/"):
+    for text in (
+        "Test double GPU",
+        "2026-01-02",
+        "torch 2.11.0+cu130",
+        "triton 3.6.0",
+        "CUDA 13.0",
+        "recorded in tests/fixtures/recorded_run/",
+    ):
         assert text in out, (text, out)
     forward = [line for line in out.splitlines() if line.startswith("rms_norm.forward")]
-    assert len(forward) == 2 and not any(line.startswith("rms_norm.backward") for line in out.splitlines())
+    assert len(forward) == 2 and not any(
+        line.startswith("rms_norm.backward") for line in out.splitlines()
+    )
     # measured % of copy and predicted %, as recorded (fixture: 91% measured, 97% predicted)
     assert "91.0%" in forward[0] and "97%" in forward[0], forward[0]
     # A cell that differentiates shows the backward too; one that calls no benchmarked kernel,
     # nothing recorded.
-    bench.timing.compare({"fwd+bwd": lambda: torch.autograd.grad(normbook.rms_norm(x, w), x, x)}, 1)
+    bench.timing.compare(
+        {"fwd+bwd": lambda: torch.autograd.grad(normbook.rms_norm(x, w), x, x)}, 1
+    )
     assert "rms_norm.backward" in capsys.readouterr().out
     bench.timing.compare({"other": lambda: normbook.row_variance(x.detach())}, 1)
     assert "Measured on" not in capsys.readouterr().out
@@ -334,11 +507,17 @@ def test_no_recorded_run_shows_no_gpu_figure(monkeypatch, capsys, tmp_path):
 def test_plan_run_keeps_its_rows_when_stopped(tmp_path):
     """--plan with a deadline already past measures the copy, then stops before the first
     shape: the JSON and CSV are there, marked incomplete, naming where it stopped."""
-    result = bench.main(["--smoke", "--plan", "gpu-day", "--out", str(tmp_path), "--deadline-s", "0"],
-                        log=lambda *_: None)
+    result = bench.main(
+        ["--smoke", "--plan", "gpu-day", "--out", str(tmp_path), "--deadline-s", "0"],
+        log=lambda *_: None,
+    )
     assert result["cut"] and "budget reached before rms_norm.forward" in result["cut"]
     data = json.loads(result["json"].read_text())
-    assert data["complete"] is False and data["cut"] == result["cut"] and data["results"] == []
+    assert (
+        data["complete"] is False
+        and data["cut"] == result["cut"]
+        and data["results"] == []
+    )
     assert data["copy"]["GB/s"] > 0 and data["provenance"]["plan"] == "gpu-day"
     assert result["csv"].exists() and not list(tmp_path.glob("*.tmp"))
 
@@ -359,10 +538,24 @@ def test_plan_smoke_run_rows_in_plan_order(tmp_path):
     from normbook.lab.bench import plan
 
     cases = "rms_norm.forward,fused_add_rms_norm.backward"
-    result = bench.main(["--smoke", "--plan", "gpu-day", "--out", str(tmp_path), "--cases", cases,
-                         "--providers", "normbook,torch eager"], log=lambda *_: None)
+    result = bench.main(
+        [
+            "--smoke",
+            "--plan",
+            "gpu-day",
+            "--out",
+            str(tmp_path),
+            "--cases",
+            cases,
+            "--providers",
+            "normbook,torch eager",
+        ],
+        log=lambda *_: None,
+    )
     assert result["cut"] is None and not result["failed"], result["errors"]
-    seen = list(dict.fromkeys(f"{r['kernel']}.{r['direction']}" for r in result["results"]))
+    seen = list(
+        dict.fromkeys(f"{r['kernel']}.{r['direction']}" for r in result["results"])
+    )
     assert seen == cases.split(",")
     shapes = {(r["M"], r["N"]) for r in result["results"]}
     assert shapes == set(plan.SMOKE_ROWS)
@@ -397,7 +590,10 @@ def cells_for(nb, wanted):
     for i, c in enumerate(nb.cells):
         if c.cell_type == "code":
             names[i] = _names(ast.parse(c.source))
-    keep, todo = set(), list(wanted) + [i for i, c in enumerate(nb.cells) if c.get("id") == "setup"]
+    keep, todo = (
+        set(),
+        list(wanted) + [i for i, c in enumerate(nb.cells) if c.get("id") == "setup"],
+    )
     while todo:
         i = todo.pop()
         if i in keep:
@@ -411,7 +607,9 @@ def cells_for(nb, wanted):
     return sorted(keep)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("nbclient") is None, reason="needs nbclient")
+@pytest.mark.skipif(
+    importlib.util.find_spec("nbclient") is None, reason="needs nbclient"
+)
 def test_speed_of_light_chapter_renders_a_recorded_run(tmp_path):
     """The chapter's cells that read data/bench/ (and the cells they need: cells_for), executed
     with the fixture as data/bench/ ($NORMBOOK_BENCH_DIR), show the run's label, its summary and
@@ -424,23 +622,39 @@ def test_speed_of_light_chapter_renders_a_recorded_run(tmp_path):
         pytest.skip("the GPU run measures live")
     path = pathlib.Path(bench.ROOT) / "book" / "speed_of_light.ipynb"
     nb = nbformat.read(path, as_version=4)
-    readers = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"
-               and any(s in c.source for s in ("load_runs(", "comparison(", "NORMBOOK_BENCH_DIR"))]
+    readers = [
+        i
+        for i, c in enumerate(nb.cells)
+        if c.cell_type == "code"
+        and any(
+            s in c.source for s in ("load_runs(", "comparison(", "NORMBOOK_BENCH_DIR")
+        )
+    ]
     assert len(readers) >= 2, readers  # the summary and the comparison table
     keep = cells_for(nb, readers)
     nb.cells = [c for i, c in enumerate(nb.cells) if i in keep or c.cell_type != "code"]
     env_before = os.environ.get("NORMBOOK_BENCH_DIR")
     os.environ["NORMBOOK_BENCH_DIR"] = str(FIXTURE)
     try:
-        NotebookClient(nb, timeout=600, kernel_name="python3",
-                       resources={"metadata": {"path": str(path.parent)}}).execute()
+        NotebookClient(
+            nb,
+            timeout=600,
+            kernel_name="python3",
+            resources={"metadata": {"path": str(path.parent)}},
+        ).execute()
     finally:
         if env_before is None:
             os.environ.pop("NORMBOOK_BENCH_DIR")
         else:
             os.environ["NORMBOOK_BENCH_DIR"] = env_before
-    text = "\n".join(str(o.get("text", "")) + str(o.get("data", {}).get("text/markdown", ""))
-                     for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    text = "\n".join(
+        str(o.get("text", "")) + str(o.get("data", {}).get("text/markdown", ""))
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.get("outputs", [])
+    )
     assert "Test double GPU" in text and "CUDA 13.0" in text
-    assert "| rms_norm.forward | 32768 | 4096 |" in text  # the recorded comparison table
+    assert (
+        "| rms_norm.forward | 32768 | 4096 |" in text
+    )  # the recorded comparison table
     assert "measured % of copy" in text and "predicted %" in text

@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import pytest
-
 from book_build import ROOT, chapter_notebooks
 
 CHAPTERS = [p.stem for p in chapter_notebooks()]
@@ -24,7 +23,9 @@ def test_chapter_writes_nothing_to_stderr(executed_book, name):
     """Warnings printed by a chapter would show up in the book as red boxes."""
     if name not in executed_book:
         pytest.skip("not selected in $CHAPTERS")
-    assert executed_book[name].stderr_cells == [], f"{name}: cells {executed_book[name].stderr_cells} wrote to stderr"
+    assert executed_book[name].stderr_cells == [], (
+        f"{name}: cells {executed_book[name].stderr_cells} wrote to stderr"
+    )
 
 
 @pytest.mark.parametrize("path", chapter_notebooks(), ids=lambda p: p.stem)
@@ -32,13 +33,20 @@ def test_chapter_is_stored_clean(path):
     nb = json.loads(path.read_text())
     for i, cell in enumerate(nb["cells"]):
         if cell["cell_type"] == "code":
-            assert not cell.get("outputs"), f"{path.name} cell {i} has stored outputs (run tools/clean_notebooks.py)"
-            assert cell.get("execution_count") is None, f"{path.name} cell {i} has an execution count"
+            assert not cell.get("outputs"), (
+                f"{path.name} cell {i} has stored outputs (run tools/clean_notebooks.py)"
+            )
+            assert cell.get("execution_count") is None, (
+                f"{path.name} cell {i} has an execution count"
+            )
 
 
 def test_setup_cells_match_the_configured_repository():
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "sync_setup_cells.py"), "--check"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "sync_setup_cells.py"), "--check"],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -56,7 +64,8 @@ def test_config_executes_every_chapter_and_fails_on_error():
     book = (ROOT / "Makefile").read_text().split("\nbook:", 1)[1].split("\n\n", 1)[0]
     steps = [line.strip() for line in book.splitlines()[1:] if line.startswith("\t")]
     assert steps.index("$(PY) tools/execute_chapters.py") < next(
-        i for i, s in enumerate(steps) if "jupyter-book build" in s), steps
+        i for i, s in enumerate(steps) if "jupyter-book build" in s
+    ), steps
 
 
 def test_execution_cache_key_covers_what_chapters_depend_on(tmp_path, monkeypatch):
@@ -65,7 +74,12 @@ def test_execution_cache_key_covers_what_chapters_depend_on(tmp_path, monkeypatc
     sys.path.insert(0, str(ROOT / "tools"))
     import execute_chapters
 
-    for name in ("kernels/normbook/__init__.py", "kernels/deep/x.py", "pyproject.toml", "requirements.txt"):
+    for name in (
+        "kernels/normbook/__init__.py",
+        "kernels/deep/x.py",
+        "pyproject.toml",
+        "requirements.txt",
+    ):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("a = 1\n")
     monkeypatch.setattr(execute_chapters, "ROOT", tmp_path)
@@ -73,7 +87,9 @@ def test_execution_cache_key_covers_what_chapters_depend_on(tmp_path, monkeypatc
     for name in ("kernels/deep/x.py", "requirements.txt", "pyproject.toml"):
         (tmp_path / name).write_text("a = 2\n")
         after = execute_chapters.stamp()
-        assert after != before, f"a change of {name} must invalidate the chapters' cache"
+        assert after != before, (
+            f"a change of {name} must invalidate the chapters' cache"
+        )
         before = after
     assert execute_chapters.stamp() == before  # and nothing else moves it
 
@@ -82,7 +98,9 @@ def test_execution_cache_key_covers_what_chapters_depend_on(tmp_path, monkeypatc
 def test_chapter_names_its_kernel(path):
     """Colab and Jupyter Book choose the kernel from the notebook's metadata."""
     nb = json.loads(path.read_text())
-    assert nb["metadata"].get("kernelspec", {}).get("name") == "python3", f"{path.name}: run tools/clean_notebooks.py"
+    assert nb["metadata"].get("kernelspec", {}).get("name") == "python3", (
+        f"{path.name}: run tools/clean_notebooks.py"
+    )
 
 
 def test_a_kernel_failing_outside_any_cell_is_executed_once_more(tmp_path):
@@ -103,6 +121,7 @@ def test_a_kernel_failing_outside_any_cell_is_executed_once_more(tmp_path):
             calls.append(nb)
             err = errors[len(calls) - 1] if len(calls) <= len(errors) else None
             return types.SimpleNamespace(err=err)
+
         return executor, calls
 
     path = tmp_path / "chapter.ipynb"
@@ -110,9 +129,13 @@ def test_a_kernel_failing_outside_any_cell_is_executed_once_more(tmp_path):
     nb, result = execute_chapters.execute(path, "stale", executor, lambda p: "fresh")
     assert result.err is None and calls == ["stale", "fresh"] and nb == "fresh"
     executor, calls = executor_failing_with(AssertionError(), AssertionError())
-    assert execute_chapters.execute(path, "a", executor, lambda p: "b")[1].err is not None
+    assert (
+        execute_chapters.execute(path, "a", executor, lambda p: "b")[1].err is not None
+    )
     assert len(calls) == 2  # once more, not forever
     for err in (CellExecutionError("x", "NameError", "y"), CellTimeoutError("late")):
         executor, calls = executor_failing_with(err)
-        assert execute_chapters.execute(path, "a", executor, lambda p: "b")[1].err is err
+        assert (
+            execute_chapters.execute(path, "a", executor, lambda p: "b")[1].err is err
+        )
         assert calls == ["a"]

@@ -19,12 +19,14 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import LOW_PRECISION, UNIT_ROUNDOFF, assert_rejected_before_launch, randn
+
 from normbook import DEVICE, cross_entropy
 from normbook import reference as ref
 
-ce_mod = importlib.import_module("normbook.cross_entropy")  # the module, not the function
+ce_mod = importlib.import_module(
+    "normbook.cross_entropy"
+)  # the module, not the function
 QWEN3_VOCAB = 151_936
 REDUCTIONS = ["mean", "sum", "none"]
 
@@ -43,7 +45,9 @@ def loss_bound(x, t, reduction, dtype, ignore_index=-100):
     keep = t64 != ignore_index
     lse = ref.logsumexp(x64)[:, 0]
     x_t = x64.gather(1, torch.where(keep, t64, 0)[:, None])[:, 0]
-    per_row = torch.where(keep, 2e-6 + 2.0**-23 * (lse.abs() + x_t.abs()), torch.zeros(()))
+    per_row = torch.where(
+        keep, 2e-6 + 2.0**-23 * (lse.abs() + x_t.abs()), torch.zeros(())
+    )
     expected = ref.cross_entropy(x, t, ignore_index, reduction).cpu()
     u = UNIT_ROUNDOFF[dtype]
     if reduction == "none":
@@ -61,9 +65,14 @@ def assert_loss_close(got, x, t, reduction, dtype, ignore_index=-100):
     got64 = got.detach().double().cpu()
     assert torch.equal(torch.isnan(got64), torch.isnan(expected))
     finite = torch.isfinite(expected)
-    assert torch.equal(got64[~finite & ~torch.isnan(expected)], expected[~finite & ~torch.isnan(expected)])
+    assert torch.equal(
+        got64[~finite & ~torch.isnan(expected)],
+        expected[~finite & ~torch.isnan(expected)],
+    )
     err = (got64 - expected).abs()[finite]
-    assert bool((err <= bound[finite]).all()), f"{reduction} ({dtype}): error {err.max():.3g}"
+    assert bool((err <= bound[finite]).all()), (
+        f"{reduction} ({dtype}): error {err.max():.3g}"
+    )
 
 
 def assert_grad_close(dx, x, t, reduction, dtype, g=None, ignore_index=-100):
@@ -72,7 +81,12 @@ def assert_grad_close(dx, x, t, reduction, dtype, g=None, ignore_index=-100):
     t64 = t.cpu()
     if reduction == "none":
         g64 = g.double().cpu().reshape(-1, 1)
-        expected = ref.cross_entropy_grad(x64, t64, ignore_index, "sum").reshape(-1, x.shape[-1]) * g64
+        expected = (
+            ref.cross_entropy_grad(x64, t64, ignore_index, "sum").reshape(
+                -1, x.shape[-1]
+            )
+            * g64
+        )
         expected = expected.reshape(x.shape)
         gabs = g64.abs()
     else:
@@ -83,7 +97,9 @@ def assert_grad_close(dx, x, t, reduction, dtype, g=None, ignore_index=-100):
     p = ref.softmax(x64.reshape(-1, x.shape[-1]))
     size = (gabs * (p + 1)).reshape(x.shape)
     u = UNIT_ROUNDOFF[dtype]
-    bound = u * expected.abs() + 1e-5 * size + (2.0**-24 if dtype == torch.float16 else 0)
+    bound = (
+        u * expected.abs() + 1e-5 * size + (2.0**-24 if dtype == torch.float16 else 0)
+    )
     assert dx.dtype == dtype and dx.shape == x.shape
     err = (dx.double().cpu() - expected).abs()
     assert torch.equal(torch.isnan(err), torch.isnan(expected))
@@ -99,6 +115,7 @@ def run_backward(x, t, reduction, g=None, **kw):
 
 
 # ------------------------------------------------------------------ forward
+
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
 @pytest.mark.parametrize("v", [1, 7, 1000, 4097, 40000])
@@ -116,7 +133,9 @@ def test_qwen3_vocabulary_at_small_m(dtype, poison_empty):
     x = randn(3, QWEN3_VOCAB, dtype=dtype, scale=2.0)
     t = torch.tensor([QWEN3_VOCAB - 1, -100, 12345], device=DEVICE)
     for reduction in REDUCTIONS:
-        assert_loss_close(cross_entropy(x, t, reduction=reduction), x, t, reduction, dtype)
+        assert_loss_close(
+            cross_entropy(x, t, reduction=reduction), x, t, reduction, dtype
+        )
     assert ce_mod._config(3, QWEN3_VOCAB)[:2] == (1, 4096)
 
 
@@ -139,7 +158,9 @@ def test_half_precision_is_closer_to_the_truth_than_torch_or_as_close(dtype):
     got = cross_entropy(x, t, reduction="none")
     truth = ref.cross_entropy(x, t, reduction="none").cpu()
     ours = (got.double().cpu() - truth).abs().max()
-    theirs = (F.cross_entropy(x, t, reduction="none").double().cpu() - truth).abs().max()
+    theirs = (
+        (F.cross_entropy(x, t, reduction="none").double().cpu() - truth).abs().max()
+    )
     assert ours <= theirs + UNIT_ROUNDOFF[dtype] * truth.abs().max()
 
 
@@ -166,9 +187,13 @@ def test_all_ignored_rows_match_torch():
         xt = x.clone().requires_grad_()
         expected = F.cross_entropy(xt, t, reduction=reduction)
         expected.backward(torch.ones_like(expected))
-        assert torch.equal(torch.isnan(loss.cpu()), torch.isnan(expected.detach().cpu()))
+        assert torch.equal(
+            torch.isnan(loss.cpu()), torch.isnan(expected.detach().cpu())
+        )
         torch.testing.assert_close(loss.cpu(), expected.detach().cpu(), equal_nan=True)
-        assert torch.equal(dx.cpu(), xt.grad.cpu()) and torch.equal(dx, torch.zeros_like(dx))
+        assert torch.equal(dx.cpu(), xt.grad.cpu()) and torch.equal(
+            dx, torch.zeros_like(dx)
+        )
     assert torch.isnan(cross_entropy(x, t)).item()
 
 
@@ -202,15 +227,18 @@ def test_hand_calculation():
     assert abs(got - math.log(1 + math.exp(-1) + math.exp(-2))) < 1e-15
 
 
-@pytest.mark.parametrize("dtype, big", [(torch.float32, 1e4), (torch.float16, 6e4),
-                                        (torch.bfloat16, 3e38)])
+@pytest.mark.parametrize(
+    "dtype, big", [(torch.float32, 1e4), (torch.float16, 6e4), (torch.bfloat16, 3e38)]
+)
 def test_large_logits_do_not_overflow(dtype, big):
     x = randn(2, 5000, dtype=dtype)
-    x[0, 4999] = big   # the max arrives in the last block: the running sum is rescaled
-    x[1, 0] = big      # the max comes first
+    x[0, 4999] = big  # the max arrives in the last block: the running sum is rescaled
+    x[1, 0] = big  # the max comes first
     t = torch.tensor([4999, 7], device=DEVICE)
     loss = cross_entropy(x, t, reduction="none")
-    assert loss[0].item() == 0.0  # lse = big exactly, up to fp32 rounding of big + log(1 + tiny)
+    assert (
+        loss[0].item() == 0.0
+    )  # lse = big exactly, up to fp32 rounding of big + log(1 + tiny)
     assert torch.isfinite(loss).all()
     assert_loss_close(loss, x, t, "none", dtype)
 
@@ -219,21 +247,27 @@ def test_strided_rows_and_non_contiguous_logits():
     base = randn(5, 1037)
     x = base[:, 5:1005]  # row stride 1037, used in place
     t = targets(5, 1000, ignored=[1])
-    assert_loss_close(cross_entropy(x, t, reduction="none"), x, t, "none", torch.float32)
+    assert_loss_close(
+        cross_entropy(x, t, reduction="none"), x, t, "none", torch.float32
+    )
     xt = randn(30, 6).t()  # stride(-1) = 6: copied once
     t6 = targets(6, 30)
-    assert_loss_close(cross_entropy(xt, t6, reduction="sum"), xt, t6, "sum", torch.float32)
+    assert_loss_close(
+        cross_entropy(xt, t6, reduction="sum"), xt, t6, "sum", torch.float32
+    )
     t_strided = targets(12, 30)[::2]  # a strided target
-    assert_loss_close(cross_entropy(xt, t_strided), xt, t_strided, "mean", torch.float32)
+    assert_loss_close(
+        cross_entropy(xt, t_strided), xt, t_strided, "mean", torch.float32
+    )
 
 
 def test_nan_inf_and_masked_logits_stay_in_their_row():
     x = randn(6, 5000)
     x[1, 17] = float("nan")
     x[2, 4000] = float("inf")
-    x[3, :] = float("-inf")                        # nothing finite: lse = -inf, loss NaN
-    x[4, :4500] = float("-inf")                    # masked vocabulary, -inf in the first blocks
-    x[5, 3] = float("-inf")                        # the target itself masked: loss = +inf
+    x[3, :] = float("-inf")  # nothing finite: lse = -inf, loss NaN
+    x[4, :4500] = float("-inf")  # masked vocabulary, -inf in the first blocks
+    x[5, 3] = float("-inf")  # the target itself masked: loss = +inf
     t = torch.tensor([0, 1, 2, 3, 4700, 3], device=DEVICE)
     loss = cross_entropy(x, t, reduction="none")
     expected = F.cross_entropy(x, t, reduction="none")
@@ -251,14 +285,18 @@ def test_deterministic():
 
 # ------------------------------------------------------------------ backward
 
+
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
 @pytest.mark.parametrize("v", [1, 7, 1000, 4097, 40000])
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_gradient_matches_reference(dtype, v, reduction, poison_empty):
     x = randn(5, v, dtype=dtype, scale=3.0)
     t = targets(5, v, ignored=[1])
-    g = randn(5, dtype=dtype) if reduction == "none" else torch.tensor(1.7, dtype=dtype,
-                                                                        device=DEVICE)
+    g = (
+        randn(5, dtype=dtype)
+        if reduction == "none"
+        else torch.tensor(1.7, dtype=dtype, device=DEVICE)
+    )
     _, dx = run_backward(x, t, reduction, g)
     assert_grad_close(dx, x, t, reduction, dtype, g)
 
@@ -286,7 +324,10 @@ def test_gradcheck_float64_through_the_kernels():
     x = randn(4, 9, dtype=torch.float64).requires_grad_()
     t = torch.tensor([0, -100, 8, 3], device=DEVICE)
     for reduction in REDUCTIONS:
-        assert torch.autograd.gradcheck(lambda a: cross_entropy(a, t, reduction=reduction), (x,))
+        assert torch.autograd.gradcheck(
+            lambda a: cross_entropy(a, t, reduction=reduction),  # noqa: B023
+            (x,),
+        )
 
 
 def test_gradcheck_float64_wide_vocab_fast_mode():
@@ -341,6 +382,7 @@ def test_no_grad_path_saves_nothing(monkeypatch):
 
 # ------------------------------------------------------------------ bad arguments, before any launch
 
+
 def _x():
     return torch.zeros(3, 5, device=DEVICE)
 
@@ -352,29 +394,78 @@ def _t():
 @pytest.mark.parametrize(
     "call, exc, words",
     [
-        (lambda: cross_entropy([[1.0]], _t()), TypeError, "logits must be a torch.Tensor"),
+        (
+            lambda: cross_entropy([[1.0]], _t()),
+            TypeError,
+            "logits must be a torch.Tensor",
+        ),
         (lambda: cross_entropy(_x().long(), _t()), TypeError, "logits must be"),
-        (lambda: cross_entropy(torch.tensor(1.0, device=DEVICE), _t()), ValueError,
-         "at least one dimension"),
-        (lambda: cross_entropy(torch.zeros(2, 3, 5, device=DEVICE), _t()), ValueError,
-         "logits must be (M, V) or (V,)"),
-        (lambda: cross_entropy(torch.zeros(3, 0, device=DEVICE), _t()), ValueError,
-         "at least one class"),
-        (lambda: cross_entropy(_x(), [0, 1, 2]), TypeError, "target must be a torch.Tensor"),
-        (lambda: cross_entropy(_x(), _t().float()), TypeError, "target must hold class indices"),
-        (lambda: cross_entropy(_x(), torch.tensor([0, 1], device=DEVICE)), ValueError,
-         "target must have shape (3,)"),
-        (lambda: cross_entropy(_x(), torch.tensor([0, 5, 1], device=DEVICE)), ValueError,
-         "in [0, 4] or ignore_index (-100), got 5"),
-        (lambda: cross_entropy(_x(), torch.tensor([0, -1, 1], device=DEVICE)), ValueError,
-         "got -1"),
-        (lambda: cross_entropy(_x(), _t(), ignore_index=1.5), TypeError, "ignore_index must be"),
-        (lambda: cross_entropy(_x(), _t(), ignore_index=True), TypeError, "ignore_index must be"),
-        (lambda: cross_entropy(_x(), _t(), reduction="avg"), ValueError, "reduction must be one of"),
-        (lambda: cross_entropy(_x(), _t(), reduction=None), ValueError, "reduction must be one of"),
+        (
+            lambda: cross_entropy(torch.tensor(1.0, device=DEVICE), _t()),
+            ValueError,
+            "at least one dimension",
+        ),
+        (
+            lambda: cross_entropy(torch.zeros(2, 3, 5, device=DEVICE), _t()),
+            ValueError,
+            "logits must be (M, V) or (V,)",
+        ),
+        (
+            lambda: cross_entropy(torch.zeros(3, 0, device=DEVICE), _t()),
+            ValueError,
+            "at least one class",
+        ),
+        (
+            lambda: cross_entropy(_x(), [0, 1, 2]),
+            TypeError,
+            "target must be a torch.Tensor",
+        ),
+        (
+            lambda: cross_entropy(_x(), _t().float()),
+            TypeError,
+            "target must hold class indices",
+        ),
+        (
+            lambda: cross_entropy(_x(), torch.tensor([0, 1], device=DEVICE)),
+            ValueError,
+            "target must have shape (3,)",
+        ),
+        (
+            lambda: cross_entropy(_x(), torch.tensor([0, 5, 1], device=DEVICE)),
+            ValueError,
+            "in [0, 4] or ignore_index (-100), got 5",
+        ),
+        (
+            lambda: cross_entropy(_x(), torch.tensor([0, -1, 1], device=DEVICE)),
+            ValueError,
+            "got -1",
+        ),
+        (
+            lambda: cross_entropy(_x(), _t(), ignore_index=1.5),
+            TypeError,
+            "ignore_index must be",
+        ),
+        (
+            lambda: cross_entropy(_x(), _t(), ignore_index=True),
+            TypeError,
+            "ignore_index must be",
+        ),
+        (
+            lambda: cross_entropy(_x(), _t(), reduction="avg"),
+            ValueError,
+            "reduction must be one of",
+        ),
+        (
+            lambda: cross_entropy(_x(), _t(), reduction=None),
+            ValueError,
+            "reduction must be one of",
+        ),
         (lambda: cross_entropy(_x(), _t().to("meta")), ValueError, "target is on meta"),
-        (lambda: cross_entropy(torch.zeros(3, 5, device="meta"), _t()), ValueError,
-         "logits is on meta"),
+        (
+            lambda: cross_entropy(torch.zeros(3, 5, device="meta"), _t()),
+            ValueError,
+            "logits is on meta",
+        ),
     ],
 )
 def test_bad_arguments_raise_clear_errors(call, exc, words, monkeypatch):

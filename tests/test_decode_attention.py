@@ -16,12 +16,18 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import (
+    LOW_PRECISION,
+    UNIT_ROUNDOFF,
+    assert_rejected_before_launch,
+    on_cpu,
+    randn,
+)
+from test_attention import error_bound
 
-from conftest import LOW_PRECISION, UNIT_ROUNDOFF, assert_rejected_before_launch, on_cpu, randn
 from normbook import DEVICE, decode_attention
 from normbook import reference as ref
 from normbook.decode_attention import KV_CHUNK, _check, _forward
-from test_attention import error_bound
 
 NAN = float("nan")
 
@@ -68,20 +74,31 @@ def assert_within_bound(out, q, k, v, lengths, window=None, scale=None):
     fp32 roundings per chunk, relative to Σ p|v|. A mask off by one key or a chunk
     merged twice or not at all moves the output by ~|v|/n, far above this at these sizes."""
     out64 = on_cpu(out).double()
-    assert not torch.isnan(out64).any(), "NaN in the output: a slot past a length was read"
+    assert not torch.isnan(out64).any(), (
+        "NaN in the output: a slot past a length was read"
+    )
     for b, n in enumerate(lengths):
         if n == 0:
             assert bool((out64[b] == 0).all())
             continue
-        kb, vb = on_cpu(k[b:b + 1, :, :n], v[b:b + 1, :, :n])
-        o, bound = error_bound(on_cpu(q[b:b + 1]), kb, vb, out.dtype, causal=True,
-                               window=window, scale=scale)
-        pv = ref.attention(on_cpu(q[b:b + 1]), kb, vb.abs(), causal=True, scale=scale,
-                           window=window)
+        kb, vb = on_cpu(k[b : b + 1, :, :n], v[b : b + 1, :, :n])
+        o, bound = error_bound(
+            on_cpu(q[b : b + 1]),
+            kb,
+            vb,
+            out.dtype,
+            causal=True,
+            window=window,
+            scale=scale,
+        )
+        pv = ref.attention(
+            on_cpu(q[b : b + 1]), kb, vb.abs(), causal=True, scale=scale, window=window
+        )
         bound = bound + (4 * (math.ceil(n / KV_CHUNK) + 1)) * 2.0**-24 * pv
-        err = (out64[b:b + 1] - o).abs()
+        err = (out64[b : b + 1] - o).abs()
         assert bool((err <= bound).all()), (
-            f"row {b}: error {err.max():.3g} > bound {bound.flatten()[torch.argmax(err - bound)]:.3g}")
+            f"row {b}: error {err.max():.3g} > bound {bound.flatten()[torch.argmax(err - bound)]:.3g}"
+        )
 
 
 # (H, H_kv, Sq, D, lengths, S_max): odd lengths, one to several chunks, GQA, Sq > 1
@@ -119,7 +136,9 @@ def test_paged_equals_contiguous_bitwise(dtype, page, poison_empty):
     paged = decode_attention(q, kp, vp, lens(lengths), block_table=table)
     assert torch.equal(paged, contiguous)
     r = ref.decode_attention(q, kp, vp, lens(lengths), block_table=table)
-    torch.testing.assert_close(r, ref.decode_attention(q, k, v, lens(lengths)), rtol=0, atol=0)
+    torch.testing.assert_close(
+        r, ref.decode_attention(q, k, v, lens(lengths)), rtol=0, atol=0
+    )
 
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
@@ -132,7 +151,12 @@ def test_row_bits_do_not_depend_on_the_batch(dtype):
     k0, v0 = contiguous_cache([n0], H_kv, n0, D, dtype)
     alone = decode_attention(q0, k0, v0, lens([n0]))
     g = torch.Generator().manual_seed(0)
-    for others, S_max in ([], n0 + 1), ([3, 700], 700), ([0] * 5 + [n0], 1024), ([1], 3 * n0):
+    for others, S_max in (
+        ([], n0 + 1),
+        ([3, 700], 700),
+        ([0] * 5 + [n0], 1024),
+        ([1], 3 * n0),
+    ):
         lengths = [n0] + others
         k, v = contiguous_cache(lengths, H_kv, S_max, D, dtype)
         k[0, :, :n0], v[0, :, :n0] = k0[0], v0[0]
@@ -140,9 +164,14 @@ def test_row_bits_do_not_depend_on_the_batch(dtype):
         out = decode_attention(q, k, v, lens(lengths, torch.int64))
         assert torch.equal(out[:1], alone), (others, S_max)
         for page, extra in ((16, 0), (32, 11)):
-            kp, vp, table = paged_from(k, v, lengths, page, generator=g,
-                                       num_blocks=sum(math.ceil(n / page) for n in lengths)
-                                       + extra + 1)
+            kp, vp, table = paged_from(
+                k,
+                v,
+                lengths,
+                page,
+                generator=g,
+                num_blocks=sum(math.ceil(n / page) for n in lengths) + extra + 1,
+            )
             out = decode_attention(q, kp, vp, lens(lengths), block_table=table)
             assert torch.equal(out[:1], alone), (others, S_max, page)
 
@@ -198,10 +227,14 @@ def test_matches_sdpa_over_the_same_cache():
         i = torch.arange(3, device=DEVICE)[:, None]
         j = torch.arange(n, device=DEVICE)[None, :]
         mask = j <= i + n - 3
-        expected = F.scaled_dot_product_attention(q[b:b + 1], k[b:b + 1, :, :n],
-                                                  v[b:b + 1, :, :n], attn_mask=mask,
-                                                  enable_gqa=True)
-        torch.testing.assert_close(out[b:b + 1], expected, rtol=1e-5, atol=1e-6)
+        expected = F.scaled_dot_product_attention(
+            q[b : b + 1],
+            k[b : b + 1, :, :n],
+            v[b : b + 1, :, :n],
+            attn_mask=mask,
+            enable_gqa=True,
+        )
+        torch.testing.assert_close(out[b : b + 1], expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
@@ -214,8 +247,9 @@ def test_empty_rows_and_rows_shorter_than_sq_give_zeros(dtype, poison_empty):
     out = decode_attention(q, k, v, lens(lengths))
     assert bool((out[0] == 0).all()) and bool((out[1, :, :2] == 0).all())
     assert_within_bound(out[2:], q[2:], k[2:], v[2:], lengths[2:])
-    expected = ref.attention(on_cpu(q[1:2]), on_cpu(k[1:2, :, :2]), on_cpu(v[1:2, :, :2]),
-                             causal=True)
+    expected = ref.attention(
+        on_cpu(q[1:2]), on_cpu(k[1:2, :, :2]), on_cpu(v[1:2, :, :2]), causal=True
+    )
     tol = 4 * UNIT_ROUNDOFF[dtype]
     torch.testing.assert_close(on_cpu(out[1:2]).double(), expected, rtol=tol, atol=tol)
 
@@ -237,8 +271,10 @@ def test_strided_inputs():
     k, v = k[..., ::2], v[..., 32:]
     assert not q.is_contiguous() and k.stride(-1) == 2
     out = decode_attention(q, k, v, lens(lengths))
-    assert torch.equal(out, decode_attention(q.contiguous(), k.contiguous(), v.contiguous(),
-                                             lens(lengths)))
+    assert torch.equal(
+        out,
+        decode_attention(q.contiguous(), k.contiguous(), v.contiguous(), lens(lengths)),
+    )
     assert_within_bound(out, q, k, v, lengths)
 
 
@@ -258,38 +294,126 @@ def _good():
 
 
 BAD = [
-    (lambda q, k, v, n: (q.numpy(), k, v, n), {}, TypeError, "q must be a torch.Tensor"),
+    (
+        lambda q, k, v, n: (q.numpy(), k, v, n),
+        {},
+        TypeError,
+        "q must be a torch.Tensor",
+    ),
     (lambda q, k, v, n: (q.double(), k, v, n), {}, TypeError, "q must be float32"),
-    (lambda q, k, v, n: (q, k.half(), v, n), {}, TypeError, "k_cache must have q's dtype"),
+    (
+        lambda q, k, v, n: (q, k.half(), v, n),
+        {},
+        TypeError,
+        "k_cache must have q's dtype",
+    ),
     (lambda q, k, v, n: (q[0], k, v, n), {}, ValueError, "q must have 4 dimensions"),
-    (lambda q, k, v, n: (q, k[..., :8], v, n), {}, ValueError, "k_cache must have q's head_dim"),
-    (lambda q, k, v, n: (q, k, v[:, :, :4], n), {}, ValueError, "v_cache must have k_cache's"),
+    (
+        lambda q, k, v, n: (q, k[..., :8], v, n),
+        {},
+        ValueError,
+        "k_cache must have q's head_dim",
+    ),
+    (
+        lambda q, k, v, n: (q, k, v[:, :, :4], n),
+        {},
+        ValueError,
+        "v_cache must have k_cache's",
+    ),
     (lambda q, k, v, n: (q[:, :3], k, v, n), {}, ValueError, "must divide q's heads"),
-    (lambda q, k, v, n: (q[:, :, :0], k, v, n), {}, ValueError, "at least one new token"),
-    (lambda q, k, v, n: (q, k[:1], v[:1], n), {}, ValueError, "must have q's batch size"),
-    (lambda q, k, v, n: (q, k, v, n.float()), {}, TypeError, "cache_seqlens must be int32"),
-    (lambda q, k, v, n: (q, k, v, n[:1]), {}, ValueError, "cache_seqlens must have shape (2,)"),
-    (lambda q, k, v, n: (q, k, v, [3, 8]), {}, TypeError, "cache_seqlens must be a torch.Tensor"),
-    (lambda q, k, v, n: (q, k, v, n), {"scale": "1"}, TypeError, "scale must be a real"),
-    (lambda q, k, v, n: (q, k, v, n), {"scale": math.inf}, ValueError, "scale must be finite"),
+    (
+        lambda q, k, v, n: (q[:, :, :0], k, v, n),
+        {},
+        ValueError,
+        "at least one new token",
+    ),
+    (
+        lambda q, k, v, n: (q, k[:1], v[:1], n),
+        {},
+        ValueError,
+        "must have q's batch size",
+    ),
+    (
+        lambda q, k, v, n: (q, k, v, n.float()),
+        {},
+        TypeError,
+        "cache_seqlens must be int32",
+    ),
+    (
+        lambda q, k, v, n: (q, k, v, n[:1]),
+        {},
+        ValueError,
+        "cache_seqlens must have shape (2,)",
+    ),
+    (
+        lambda q, k, v, n: (q, k, v, [3, 8]),
+        {},
+        TypeError,
+        "cache_seqlens must be a torch.Tensor",
+    ),
+    (
+        lambda q, k, v, n: (q, k, v, n),
+        {"scale": "1"},
+        TypeError,
+        "scale must be a real",
+    ),
+    (
+        lambda q, k, v, n: (q, k, v, n),
+        {"scale": math.inf},
+        ValueError,
+        "scale must be finite",
+    ),
     (lambda q, k, v, n: (q, k, v, n), {"window": 0}, ValueError, "window must be >= 1"),
-    (lambda q, k, v, n: (q, k, v, n), {"window": 2.0}, TypeError, "window must be an int"),
-    (lambda q, k, v, n: (q, k, v, n), {"block_table": torch.zeros(2, 1, dtype=torch.int64)},
-     TypeError, "block_table must be int32"),
-    (lambda q, k, v, n: (q, k, v, n), {"block_table": torch.zeros(3, 1, dtype=torch.int32)},
-     ValueError, "block_table must have shape (2, max_blocks)"),
-    (lambda q, k, v, n: (q, k, v, n), {"block_table": [[0], [1]]},
-     TypeError, "block_table must be a torch.Tensor"),
+    (
+        lambda q, k, v, n: (q, k, v, n),
+        {"window": 2.0},
+        TypeError,
+        "window must be an int",
+    ),
+    (
+        lambda q, k, v, n: (q, k, v, n),
+        {"block_table": torch.zeros(2, 1, dtype=torch.int64)},
+        TypeError,
+        "block_table must be int32",
+    ),
+    (
+        lambda q, k, v, n: (q, k, v, n),
+        {"block_table": torch.zeros(3, 1, dtype=torch.int32)},
+        ValueError,
+        "block_table must have shape (2, max_blocks)",
+    ),
+    (
+        lambda q, k, v, n: (q, k, v, n),
+        {"block_table": [[0], [1]]},
+        TypeError,
+        "block_table must be a torch.Tensor",
+    ),
     # Values (one host synchronization): lengths in [0, capacity], used table entries
     # valid.
-    (lambda q, k, v, n: (q, k, v, lens([3, 9])), {}, ValueError, "capacity, k_cache.shape[2] = 8"),
-    (lambda q, k, v, n: (q, k, v, lens([-1, 2])), {}, ValueError, "cache_seqlens must be >= 0"),
-    (lambda q, k, v, n: (q, k, v, lens([3, 9])),
-     {"block_table": torch.tensor([[0], [1]], dtype=torch.int32, device=DEVICE)},
-     ValueError, "max_blocks · block_size = 8"),
-    (lambda q, k, v, n: (q, k, v, lens([3, 8])),
-     {"block_table": torch.tensor([[0], [2]], dtype=torch.int32, device=DEVICE)},
-     ValueError, "block_table entries a row uses must be in [0, 2)"),
+    (
+        lambda q, k, v, n: (q, k, v, lens([3, 9])),
+        {},
+        ValueError,
+        "capacity, k_cache.shape[2] = 8",
+    ),
+    (
+        lambda q, k, v, n: (q, k, v, lens([-1, 2])),
+        {},
+        ValueError,
+        "cache_seqlens must be >= 0",
+    ),
+    (
+        lambda q, k, v, n: (q, k, v, lens([3, 9])),
+        {"block_table": torch.tensor([[0], [1]], dtype=torch.int32, device=DEVICE)},
+        ValueError,
+        "max_blocks · block_size = 8",
+    ),
+    (
+        lambda q, k, v, n: (q, k, v, lens([3, 8])),
+        {"block_table": torch.tensor([[0], [2]], dtype=torch.int32, device=DEVICE)},
+        ValueError,
+        "block_table entries a row uses must be in [0, 2)",
+    ),
 ]
 
 
@@ -297,8 +421,12 @@ BAD = [
 def test_bad_arguments_rejected_before_launch(monkeypatch, make, kwargs, exc, words):
     args = make(*_good())
     assert_rejected_before_launch(
-        monkeypatch, "decode_attention",
-        lambda: decode_attention(*args, **kwargs), exc, words)
+        monkeypatch,
+        "decode_attention",
+        lambda: decode_attention(*args, **kwargs),
+        exc,
+        words,
+    )
 
 
 def test_unused_table_entries_may_be_anything():

@@ -17,10 +17,17 @@ import math
 
 import pytest
 import torch
+from conftest import (
+    LOW_PRECISION,
+    UNIT_ROUNDOFF,
+    assert_close_to_reference,
+    assert_rejected_before_launch,
+    norm_tolerance,
+    randn,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import LOW_PRECISION, UNIT_ROUNDOFF, assert_close_to_reference, norm_tolerance, randn, assert_rejected_before_launch
 from normbook import DEVICE, fused_add_rms_norm, rms_norm
 from normbook import reference as ref
 
@@ -34,7 +41,9 @@ def rows_for(n):
 def assert_sum_is_rounded_once(h, x, r, dtype):
     exact = x.double() + r.double()
     u = UNIT_ROUNDOFF[dtype]
-    tiny = 2.0**-25 if dtype == torch.float16 else 1e-30  # fp16 subnormals: half a spacing, absolute
+    tiny = (
+        2.0**-25 if dtype == torch.float16 else 1e-30
+    )  # fp16 subnormals: half a spacing, absolute
     assert bool(((h.double() - exact).abs() <= u * exact.abs() + tiny).all())
 
 
@@ -46,7 +55,9 @@ def test_matches_reference(dtype, n, poison_empty):
     w = randn(n, dtype=dtype)
     y, h = fused_add_rms_norm(x, r, w, eps=1e-6)
     assert y.dtype == h.dtype == dtype and y.shape == h.shape == x.shape
-    assert torch.equal(h, x + r), "residual_out must be torch's x + residual, bit for bit"
+    assert torch.equal(h, x + r), (
+        "residual_out must be torch's x + residual, bit for bit"
+    )
     assert_sum_is_rounded_once(h, x, r, dtype)
     wmax = w.abs().max().item()
     assert_close_to_reference(y, ref.rms_norm(h, w, 1e-6), dtype, weight_max=wmax)
@@ -57,7 +68,9 @@ def test_matches_reference(dtype, n, poison_empty):
     assert bool((err <= (rtol + 2 * UNIT_ROUNDOFF[dtype]) * y_exact.abs() + atol).all())
 
 
-@pytest.mark.parametrize("n", [7, 4097, 40000])  # 40000 bf16 values pass 64 KB: the looped path
+@pytest.mark.parametrize(
+    "n", [7, 4097, 40000]
+)  # 40000 bf16 values pass 64 KB: the looped path
 def test_equals_the_unfused_kernels_bit_for_bit(n):
     """Same roundings in the same order as residual add, then normbook.rms_norm."""
     x, r = randn(3, n, dtype=torch.bfloat16), randn(3, n, dtype=torch.bfloat16)
@@ -77,7 +90,11 @@ def test_without_weight_and_leading_dims(dtype):
 
 
 def test_float64_is_accumulated_in_float64():
-    x, r, w = randn(4, 513, dtype=torch.float64), randn(4, 513, dtype=torch.float64), randn(513, dtype=torch.float64)
+    x, r, w = (
+        randn(4, 513, dtype=torch.float64),
+        randn(4, 513, dtype=torch.float64),
+        randn(513, dtype=torch.float64),
+    )
     y, h = fused_add_rms_norm(x, r, w)
     y_ref, h_ref = ref.fused_add_rms_norm(x, r, w)
     torch.testing.assert_close(h, h_ref, rtol=0, atol=0)
@@ -133,12 +150,17 @@ def test_inputs_are_not_modified():
 
 def test_strided_rows_are_used_in_place():
     base_x, base_r = randn(6, 1037), randn(6, 1100)
-    x, r = base_x[:, 5:1005], base_r[:, 90:1090]  # two different row strides, last dimension contiguous
+    x, r = (
+        base_x[:, 5:1005],
+        base_r[:, 90:1090],
+    )  # two different row strides, last dimension contiguous
     assert not x.is_contiguous() and not r.is_contiguous()
     w = randn(1000)
     y, h = fused_add_rms_norm(x, r, w)
     assert torch.equal(h, x + r)
-    assert_close_to_reference(y, ref.rms_norm(h, w), torch.float32, w.abs().max().item())
+    assert_close_to_reference(
+        y, ref.rms_norm(h, w), torch.float32, w.abs().max().item()
+    )
     xt, rt = randn(64, 9).t(), randn(9, 64)  # a transposed x is copied once
     y, h = fused_add_rms_norm(xt, rt, None)
     assert torch.equal(h, xt + rt)
@@ -148,11 +170,15 @@ def test_strided_rows_are_used_in_place():
 def test_empty_inputs():
     for shape in [(0, 16), (3, 0), (0,), (2, 0, 5)]:
         x = torch.empty(shape, device=DEVICE)
-        y, h = fused_add_rms_norm(x, torch.empty(shape, device=DEVICE), torch.ones(shape[-1], device=DEVICE))
+        y, h = fused_add_rms_norm(
+            x, torch.empty(shape, device=DEVICE), torch.ones(shape[-1], device=DEVICE)
+        )
         assert y.shape == h.shape == x.shape and y.numel() == h.numel() == 0
 
 
-@pytest.mark.parametrize("n", [7, 17000])  # 17000 fp32 values pass 64 KB: the looped path
+@pytest.mark.parametrize(
+    "n", [7, 17000]
+)  # 17000 fp32 values pass 64 KB: the looped path
 def test_nan_and_inf_stay_in_their_row(n):
     x, r = randn(4, n), randn(4, n)
     x[1, n // 2] = float("nan")
@@ -160,30 +186,50 @@ def test_nan_and_inf_stay_in_their_row(n):
     y, h = fused_add_rms_norm(x, r, None)
     assert torch.isnan(h[1, n // 2]) and torch.isinf(h[2, 0])
     assert torch.isnan(y[1]).all()  # NaN poisons its own row's statistics
-    assert torch.isnan(y[2, 0]) and (y[2, 1:] == 0).all()  # 1/sqrt(inf) = 0: inf·0 = NaN, the rest 0
+    assert (
+        torch.isnan(y[2, 0]) and (y[2, 1:] == 0).all()
+    )  # 1/sqrt(inf) = 0: inf·0 = NaN, the rest 0
     assert torch.isfinite(y[[0, 3]]).all() and torch.isfinite(h[[0, 3]]).all()
     assert_close_to_reference(y, ref.rms_norm(h), torch.float32)
 
 
 def test_deterministic():
-    x, r, w = randn(9, 4097, dtype=torch.bfloat16), randn(9, 4097, dtype=torch.bfloat16), randn(4097, dtype=torch.bfloat16)
+    x, r, w = (
+        randn(9, 4097, dtype=torch.bfloat16),
+        randn(9, 4097, dtype=torch.bfloat16),
+        randn(4097, dtype=torch.bfloat16),
+    )
     a, b = fused_add_rms_norm(x, r, w), fused_add_rms_norm(x, r, w)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
 @settings(max_examples=20, deadline=None)
-@given(m=st.integers(1, 4), n=st.integers(1, 300), log_scale=st.floats(-3, 3), seed=st.integers(0, 2**31 - 1))
+@given(
+    m=st.integers(1, 4),
+    n=st.integers(1, 300),
+    log_scale=st.floats(-3, 3),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_property_symmetric_in_x_and_residual_and_unit_rms(m, n, log_scale, seed):
     """x + r = r + x exactly, so swapping the inputs changes nothing; and mean(y²) = 1 (eps = 0)."""
     g = torch.Generator().manual_seed(seed)
-    x, r = randn(m, n, scale=10.0**log_scale, generator=g), randn(m, n, scale=10.0**log_scale, generator=g)
+    x, r = (
+        randn(m, n, scale=10.0**log_scale, generator=g),
+        randn(m, n, scale=10.0**log_scale, generator=g),
+    )
     y, h = fused_add_rms_norm(x, r, None, eps=0.0)
     y2, h2 = fused_add_rms_norm(r, x, None, eps=0.0)
     assert torch.equal(y, y2) and torch.equal(h, h2)
-    torch.testing.assert_close((y.double() ** 2).mean(-1), torch.ones(m, dtype=torch.float64), rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        (y.double() ** 2).mean(-1),
+        torch.ones(m, dtype=torch.float64),
+        rtol=1e-5,
+        atol=0,
+    )
 
 
 # ------------------------------------------------------------------ bad arguments, before any launch
+
 
 def ones(*shape, **kw):
     """A tensor on the kernels' device unless the test asks for another one."""
@@ -197,24 +243,92 @@ ONES = ones(3, 4)
 @pytest.mark.parametrize(
     "call, exc, words",
     [
-        (lambda: fused_add_rms_norm([1.0], ONES, None), TypeError, "x must be a torch.Tensor"),
-        (lambda: fused_add_rms_norm(ONES, [1.0], None), TypeError, "residual must be a torch.Tensor"),
-        (lambda: fused_add_rms_norm(ones(3, 4, dtype=torch.int32), ONES, None), TypeError, "x must be"),
-        (lambda: fused_add_rms_norm(ONES, ones(3, 4, dtype=torch.int32), None), TypeError, "residual must be"),
-        (lambda: fused_add_rms_norm(ones(()), ones(()), None), ValueError, "x must have at least one dimension"),
-        (lambda: fused_add_rms_norm(ONES, ones(3, 5), None), ValueError, "residual must have the same shape as x"),
-        (lambda: fused_add_rms_norm(ONES, ones(4), None), ValueError, "residual must have the same shape as x"),
-        (lambda: fused_add_rms_norm(ONES, ones(3, 4, dtype=torch.float16), None), TypeError, "residual must have the same dtype as x"),
-        (lambda: fused_add_rms_norm(ONES, ones(3, 4, device="meta"), None), ValueError, "residual is on meta"),
-        (lambda: fused_add_rms_norm(ONES, ONES, ones(5)), ValueError, "weight must have shape (4,)"),
-        (lambda: fused_add_rms_norm(ONES, ONES, "w"), TypeError, "weight must be a torch.Tensor"),
-        (lambda: fused_add_rms_norm(ONES, ONES, ones(4, dtype=torch.int64)), TypeError, "weight must be"),
-        (lambda: fused_add_rms_norm(ONES, ONES, ones(4, device="meta")), ValueError, "weight is on meta"),
-        (lambda: fused_add_rms_norm(ONES, ONES, None, eps=-1e-6), ValueError, "eps must be finite and >= 0"),
-        (lambda: fused_add_rms_norm(ONES, ONES, None, eps=float("nan")), ValueError, "eps"),
-        (lambda: fused_add_rms_norm(ONES, ONES, None, eps="1e-6"), TypeError, "eps must be a real number"),
+        (
+            lambda: fused_add_rms_norm([1.0], ONES, None),
+            TypeError,
+            "x must be a torch.Tensor",
+        ),
+        (
+            lambda: fused_add_rms_norm(ONES, [1.0], None),
+            TypeError,
+            "residual must be a torch.Tensor",
+        ),
+        (
+            lambda: fused_add_rms_norm(ones(3, 4, dtype=torch.int32), ONES, None),
+            TypeError,
+            "x must be",
+        ),
+        (
+            lambda: fused_add_rms_norm(ONES, ones(3, 4, dtype=torch.int32), None),
+            TypeError,
+            "residual must be",
+        ),
+        (
+            lambda: fused_add_rms_norm(ones(()), ones(()), None),
+            ValueError,
+            "x must have at least one dimension",
+        ),
+        (
+            lambda: fused_add_rms_norm(ONES, ones(3, 5), None),
+            ValueError,
+            "residual must have the same shape as x",
+        ),
+        (
+            lambda: fused_add_rms_norm(ONES, ones(4), None),
+            ValueError,
+            "residual must have the same shape as x",
+        ),
+        (
+            lambda: fused_add_rms_norm(ONES, ones(3, 4, dtype=torch.float16), None),
+            TypeError,
+            "residual must have the same dtype as x",
+        ),
+        (
+            lambda: fused_add_rms_norm(ONES, ones(3, 4, device="meta"), None),
+            ValueError,
+            "residual is on meta",
+        ),
+        (
+            lambda: fused_add_rms_norm(ONES, ONES, ones(5)),
+            ValueError,
+            "weight must have shape (4,)",
+        ),
+        (
+            lambda: fused_add_rms_norm(ONES, ONES, "w"),
+            TypeError,
+            "weight must be a torch.Tensor",
+        ),
+        (
+            lambda: fused_add_rms_norm(ONES, ONES, ones(4, dtype=torch.int64)),
+            TypeError,
+            "weight must be",
+        ),
+        (
+            lambda: fused_add_rms_norm(ONES, ONES, ones(4, device="meta")),
+            ValueError,
+            "weight is on meta",
+        ),
+        (
+            lambda: fused_add_rms_norm(ONES, ONES, None, eps=-1e-6),
+            ValueError,
+            "eps must be finite and >= 0",
+        ),
+        (
+            lambda: fused_add_rms_norm(ONES, ONES, None, eps=float("nan")),
+            ValueError,
+            "eps",
+        ),
+        (
+            lambda: fused_add_rms_norm(ONES, ONES, None, eps="1e-6"),
+            TypeError,
+            "eps must be a real number",
+        ),
         (lambda: fused_add_rms_norm(ONES, ONES, None, eps=True), TypeError, "eps"),
-        (lambda: fused_add_rms_norm(ones(3, 4, device="meta"), ONES, None), ValueError, "x is on meta"),
+        (
+            lambda: fused_add_rms_norm(ones(3, 4, device="meta"), ONES, None),
+            ValueError,
+            "x is on meta",
+        ),
     ],
 )
 def test_bad_arguments_raise_clear_errors(call, exc, words, monkeypatch):
@@ -237,8 +351,9 @@ def test_split_rows_match_rms_norm_and_do_not_depend_on_their_batch(poison_empty
     y, h, _ = fused_module._forward(x, r, w, 1e-6, split=True)
     assert torch.equal(h, x + r)
     assert torch.equal(y, rms_module._forward(x + r, w, 1e-6, split=True)[0])
-    assert_close_to_reference(y, ref.rms_norm(h, w, 1e-6), torch.bfloat16,
-                              weight_max=w.abs().max().item())
+    assert_close_to_reference(
+        y, ref.rms_norm(h, w, 1e-6), torch.bfloat16, weight_max=w.abs().max().item()
+    )
     batch = fused_module._forward(x, r, w, 1e-6, split=True)
     alone = fused_module._forward(x[1:2], r[1:2], w, 1e-6, split=True)
     assert all(torch.equal(a[0], b[1]) for a, b in zip(alone, batch))

@@ -10,9 +10,9 @@ autograd of the unfused code also treats as the identity.
 
 import pytest
 import torch
-
 from backward_helpers import NORM_BACKWARD_CASES, assert_grad_close
 from conftest import randn
+
 from normbook import fused_add_rms_norm
 from normbook import reference as ref
 
@@ -59,7 +59,11 @@ def test_gradients_match_autograd_of_reference(dtype, n, poison_empty):
     """dx, dr and dγ through both outputs; one-block rows and rows wider than a block."""
     m = rows_for(n)
     x, r = randn(m, n, dtype=dtype, scale=2.0), randn(m, n, dtype=dtype, scale=2.0)
-    w, dy, dh = randn(n, dtype=dtype), randn(m, n, dtype=dtype), randn(m, n, dtype=dtype)
+    w, dy, dh = (
+        randn(n, dtype=dtype),
+        randn(m, n, dtype=dtype),
+        randn(m, n, dtype=dtype),
+    )
     dx, dr, dw, h = run_backward(x, r, w, dy, dh)
     dx_ref, dw_ref, dx_scale, dw_scale = reference_grads(h, w, dy, dh, 1e-6)
     assert_grad_close(dx, dx_ref, dx_scale, dtype, "dx")
@@ -75,7 +79,11 @@ def test_only_y_used_and_only_h_used():
     assert torch.equal(dx, dr)
     assert_grad_close(dw, dw_ref, dw_scale, torch.float32, "dweight")
     # h alone: its gradient passes to x and residual unchanged, and dγ is zero
-    xg, rg, wg = x.clone().requires_grad_(), r.clone().requires_grad_(), w.clone().requires_grad_()
+    xg, rg, wg = (
+        x.clone().requires_grad_(),
+        r.clone().requires_grad_(),
+        w.clone().requires_grad_(),
+    )
     _, h = fused_add_rms_norm(xg, rg, wg)
     dh = randn(4, 50)
     h.backward(dh)
@@ -87,17 +95,28 @@ def test_gradcheck_float64_through_the_kernels():
     x, r = randn(3, 7, dtype=torch.float64), randn(3, 7, dtype=torch.float64)
     w = randn(7, dtype=torch.float64)
     args = tuple(t.requires_grad_() for t in (x, r, w))
-    assert torch.autograd.gradcheck(lambda a, b, c: fused_add_rms_norm(a, b, c, 1e-6), args)
     assert torch.autograd.gradcheck(
-        lambda a, b, c: fused_add_rms_norm(a, b, c, 1e-6, offset=1.0, casting_mode="gemma"), args)
-    assert torch.autograd.gradcheck(lambda a, b: fused_add_rms_norm(a, b, None, 0.0), args[:2])
+        lambda a, b, c: fused_add_rms_norm(a, b, c, 1e-6), args
+    )
+    assert torch.autograd.gradcheck(
+        lambda a, b, c: fused_add_rms_norm(
+            a, b, c, 1e-6, offset=1.0, casting_mode="gemma"
+        ),
+        args,
+    )
+    assert torch.autograd.gradcheck(
+        lambda a, b: fused_add_rms_norm(a, b, None, 0.0), args[:2]
+    )
 
 
 def test_gradcheck_float64_wide_rows_fast_mode():
     n = 8200  # > 64 KiB of float64: the two-sweep path
-    args = tuple(randn(*s, dtype=torch.float64).requires_grad_() for s in [(2, n), (2, n), (n,)])
-    assert torch.autograd.gradcheck(lambda a, b, c: fused_add_rms_norm(a, b, c, 1e-6), args,
-                                    fast_mode=True)
+    args = tuple(
+        randn(*s, dtype=torch.float64).requires_grad_() for s in [(2, n), (2, n), (n,)]
+    )
+    assert torch.autograd.gradcheck(
+        lambda a, b, c: fused_add_rms_norm(a, b, c, 1e-6), args, fast_mode=True
+    )
 
 
 def test_strided_and_broadcast_upstream_gradients():
@@ -137,7 +156,9 @@ def test_empty_inputs(shape):
     assert torch.equal(w.grad, torch.zeros(n))
 
 
-@pytest.mark.parametrize("dtype, m, n", [(torch.bfloat16, 64, 300), (torch.float32, 9, 20000)])
+@pytest.mark.parametrize(
+    "dtype, m, n", [(torch.bfloat16, 64, 300), (torch.float32, 9, 20000)]
+)
 def test_dweight_is_bitwise_deterministic(dtype, m, n):
     x, r, w = randn(m, n, dtype=dtype), randn(m, n, dtype=dtype), randn(n, dtype=dtype)
     dy, dh = randn(m, n, dtype=dtype), randn(m, n, dtype=dtype)
@@ -150,8 +171,12 @@ def test_equals_autograd_of_the_unfused_kernels():
     """Same kernel, same inputs: the fused backward equals rms_norm's backward on x + r, plus dh."""
     from normbook import rms_norm
 
-    x, r, w = randn(5, 333, dtype=torch.bfloat16), randn(5, 333, dtype=torch.bfloat16), randn(333)
-    dy, dh = randn(5, 333, dtype=torch.bfloat16), randn(5, 333, dtype=torch.bfloat16)
+    x, r, w = (
+        randn(5, 333, dtype=torch.bfloat16),
+        randn(5, 333, dtype=torch.bfloat16),
+        randn(333),
+    )
+    dy = randn(5, 333, dtype=torch.bfloat16)
     dx, dr, dw, h = run_backward(x, r, w, dy, None)
     hg, wg = (x + r).requires_grad_(), w.clone().requires_grad_()
     rms_norm(hg, wg).backward(dy)

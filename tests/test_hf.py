@@ -32,20 +32,34 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import normbook
 from normbook import DEVICE
 from normbook.lab import op_count
 
 transformers = pytest.importorskip("transformers")
 hf = pytest.importorskip("normbook.hf")
 from transformers import (  # noqa: E402
-    Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
-    Qwen3Config, Qwen3ForCausalLM, Qwen3Model,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3Model,
 )
 
 VOCAB, HIDDEN, LAYERS = 64, 64, 2
-SMALL = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=HIDDEN,
+    intermediate_size=128,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=64,
+)
 
 
 def _randomize_norms(model, center: float):
@@ -67,8 +81,12 @@ def llama():
 
 
 def gemma3():
-    cfg = Gemma3TextConfig(**SMALL, query_pre_attn_scalar=16, sliding_window=4,
-                           layer_types=["sliding_attention", "full_attention"])
+    cfg = Gemma3TextConfig(
+        **SMALL,
+        query_pre_attn_scalar=16,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+    )
     return _randomize_norms(Gemma3ForCausalLM(cfg), 0.0).to(DEVICE)
 
 
@@ -115,47 +133,80 @@ def test_a_deep_copy_is_patched_and_runs_its_own_weights():
         assert _rel(patched_twin, hf.unpatch(twin)(ids).logits) <= 1e-5
 
 
-@pytest.mark.parametrize("bad", [
-    lambda: torch.nn.Linear(4, 4),
-    lambda: GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2)),
-    lambda: "Qwen3ForCausalLM",
-], ids=["nn.Linear", "GPT-2", "a string"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda: torch.nn.Linear(4, 4),
+        lambda: GPT2LMHeadModel(
+            GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2)
+        ),
+        lambda: "Qwen3ForCausalLM",
+    ],
+    ids=["nn.Linear", "GPT-2", "a string"],
+)
 def test_unknown_architecture_is_refused(bad):
     with pytest.raises(TypeError, match="model"):
         hf.patch(bad())
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
-@pytest.mark.parametrize("build", [qwen3, llama, gemma3], ids=["qwen3", "llama", "gemma3"])
+@pytest.mark.parametrize(
+    "build", [qwen3, llama, gemma3], ids=["qwen3", "llama", "gemma3"]
+)
 def test_the_kernels_really_run(monkeypatch, build, grad):
     """Each kernel is called where it belongs (equality of logits alone would not show it), in
     training too. Attention runs the kernel in training once normbook.attention has a backward
     (probed: until then that one call falls back to transformers' attention)."""
-    calls = {"rms_norm": 0, "fused_add_rms_norm": 0, "qk_norm_rope": 0, "attention": 0,
-             "swiglu": 0, "_linear_cross_entropy": 0}
+    calls = {
+        "rms_norm": 0,
+        "fused_add_rms_norm": 0,
+        "qk_norm_rope": 0,
+        "attention": 0,
+        "swiglu": 0,
+        "_linear_cross_entropy": 0,
+    }
     for name in calls:
         real = getattr(hf, name)
 
         def counted(*a, _real=real, _name=name, **k):
             calls[_name] += 1
             return _real(*a, **k)
+
         monkeypatch.setattr(hf, name, counted)
     model = hf.patch(build())
     with torch.set_grad_enabled(grad):
         out = model(_ids(), labels=_ids() if grad else None)
     assert ((out.loss if grad else out.logits).grad_fn is not None) == grad
-    attention = LAYERS if (not grad or hf._differentiable("attention")) else 0
+    attention = LAYERS
     expected = {
         # input_layernorm per layer + the final norm; add + post_attention_layernorm fused; q/k;
         # attention and the SwiGLU gate per layer; the loss once (training: labels given).
-        qwen3: {"rms_norm": LAYERS + 1, "fused_add_rms_norm": LAYERS, "qk_norm_rope": LAYERS,
-                "attention": attention, "swiglu": LAYERS, "_linear_cross_entropy": int(grad)},
-        llama: {"rms_norm": LAYERS + 1, "fused_add_rms_norm": LAYERS, "qk_norm_rope": 0,
-                "attention": attention, "swiglu": LAYERS, "_linear_cross_entropy": int(grad)},
+        qwen3: {
+            "rms_norm": LAYERS + 1,
+            "fused_add_rms_norm": LAYERS,
+            "qk_norm_rope": LAYERS,
+            "attention": attention,
+            "swiglu": LAYERS,
+            "_linear_cross_entropy": int(grad),
+        },
+        llama: {
+            "rms_norm": LAYERS + 1,
+            "fused_add_rms_norm": LAYERS,
+            "qk_norm_rope": 0,
+            "attention": attention,
+            "swiglu": LAYERS,
+            "_linear_cross_entropy": int(grad),
+        },
         # Gemma 3: four sandwich norms and q_norm, k_norm per layer, the final norm; no fusion;
         # GELU-tanh MLP (GeGLU): no kernel, so no swiglu.
-        gemma3: {"rms_norm": 6 * LAYERS + 1, "fused_add_rms_norm": 0, "qk_norm_rope": 0,
-                 "attention": attention, "swiglu": 0, "_linear_cross_entropy": int(grad)},
+        gemma3: {
+            "rms_norm": 6 * LAYERS + 1,
+            "fused_add_rms_norm": 0,
+            "qk_norm_rope": 0,
+            "attention": attention,
+            "swiglu": 0,
+            "_linear_cross_entropy": int(grad),
+        },
     }[build]
     assert calls == expected
 
@@ -165,9 +216,11 @@ def test_kernels_hf_after_import_kernels_alone():
     import subprocess
     import sys
 
-    code = ("import sys, normbook; assert 'transformers' not in sys.modules; "
-            "assert 'normbook.hf' not in sys.modules; "
-            "assert callable(normbook.hf.patch) and normbook.hf is sys.modules['normbook.hf']")
+    code = (
+        "import sys, normbook; assert 'transformers' not in sys.modules; "
+        "assert 'normbook.hf' not in sys.modules; "
+        "assert callable(normbook.hf.patch) and normbook.hf is sys.modules['normbook.hf']"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
 
@@ -187,7 +240,9 @@ def test_qwen3_fp32_outputs(cls):
     assert _rel(out[key], want[key]) <= 1e-5
 
 
-@pytest.mark.parametrize("build", [qwen3, llama, gemma3], ids=["qwen3", "llama", "gemma3"])
+@pytest.mark.parametrize(
+    "build", [qwen3, llama, gemma3], ids=["qwen3", "llama", "gemma3"]
+)
 def test_bf16_as_accurate_as_transformers(build):
     ref = build().eval()
     ids = _ids()
@@ -224,7 +279,9 @@ def test_gemma_convention_matches_gemma3_rms_norm(dtype):
     else:
         assert float((got == want).double().mean()) >= 0.99
         ulp = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}[dtype]
-        assert bool(((got.double() - want.double()).abs() <= ulp * want.double().abs()).all())
+        assert bool(
+            ((got.double() - want.double()).abs() <= ulp * want.double().abs()).all()
+        )
 
 
 @pytest.mark.parametrize("build", [llama, gemma3], ids=["llama", "gemma3"])
@@ -248,7 +305,9 @@ def test_qwen3_gradients_of_every_parameter():
         assert rel <= 1e-5, f"{name}: relative gradient difference {rel:.3g}"
 
 
-@pytest.mark.parametrize("build", [qwen3, llama, gemma3], ids=["qwen3", "llama", "gemma3"])
+@pytest.mark.parametrize(
+    "build", [qwen3, llama, gemma3], ids=["qwen3", "llama", "gemma3"]
+)
 def test_greedy_generation_identical(build):
     """20 tokens through the KV cache: every step after the first has seq_q = 1 < seq_k, the
     bottom-right causal case (and Gemma 3's sliding layers, window 4, slide past the prompt)."""
@@ -274,7 +333,9 @@ def test_greedy_generation_identical(build):
 # ---------------------------------------------------------------- the loss, padding, training
 
 
-@pytest.mark.parametrize("build", [qwen3, llama, gemma3], ids=["qwen3", "llama", "gemma3"])
+@pytest.mark.parametrize(
+    "build", [qwen3, llama, gemma3], ids=["qwen3", "llama", "gemma3"]
+)
 def test_loss_with_labels_and_its_gradients(build):
     """labels given: the loss is normbook.linear_cross_entropy's (shifted as ForCausalLMLoss),
     the logits are not returned (None), and every parameter's gradient matches transformers'.
@@ -303,8 +364,10 @@ def test_num_items_in_batch_and_shift_labels():
     ids, labels = _ids(), _ids()
     n = torch.tensor(37)
     with torch.no_grad():
-        for kw in ({"labels": labels, "num_items_in_batch": n},
-                   {"labels": labels, "shift_labels": labels}):
+        for kw in (
+            {"labels": labels, "num_items_in_batch": n},
+            {"labels": labels, "shift_labels": labels},
+        ):
             want, got = ref(ids, **kw).loss, patched(ids, **kw).loss
             assert abs(got.item() - want.item()) <= 1e-5 * want.item(), kw.keys()
 
@@ -346,7 +409,11 @@ def test_adamw_20_steps_loss_within_bound_at_every_step(build):
             p.copy_(torch.nextafter(p, torch.where(up, torch.inf, -torch.inf)))
     ids, labels = _ids(batch=1), _ids(batch=1)
     losses = {}
-    for name, model in (("transformers", ref), ("kernels", patched), ("control", control)):
+    for name, model in (
+        ("transformers", ref),
+        ("kernels", patched),
+        ("control", control),
+    ):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses[name] = []
         for _ in range(20):
@@ -375,16 +442,27 @@ def test_what_stays_on_pytorch_in_one_layer(build):
     model = hf.patch(build()).eval()
     layer, captured = model.model.layers[0], {}
     handle = layer.register_forward_pre_hook(
-        lambda mod, a, k: captured.update(a=a, k=k), with_kwargs=True)
+        lambda mod, a, k: captured.update(a=a, k=k), with_kwargs=True
+    )
     with torch.no_grad():
         model(_ids())
     handle.remove()
     with torch.no_grad():
         _, counts = op_count.torch_ops(layer, *captured["a"], **captured["k"])
-    work = {key: n for key, n in counts.items()
-            if key[0] in ("matmul", "embedding", "elementwise", "attention", "cache")}
-    rope = {("elementwise", "mul"): 4, ("elementwise", "neg"): 2, ("elementwise", "cat"): 2}
-    expected = {("matmul", "mm"): 7, ("cache", "cat"): 2,
-                ("elementwise", "add"): 1 if build is qwen3 else 3,
-                **({} if build is qwen3 else rope)}
+    work = {
+        key: n
+        for key, n in counts.items()
+        if key[0] in ("matmul", "embedding", "elementwise", "attention", "cache")
+    }
+    rope = {
+        ("elementwise", "mul"): 4,
+        ("elementwise", "neg"): 2,
+        ("elementwise", "cat"): 2,
+    }
+    expected = {
+        ("matmul", "mm"): 7,
+        ("cache", "cat"): 2,
+        ("elementwise", "add"): 1 if build is qwen3 else 3,
+        **({} if build is qwen3 else rope),
+    }
     assert work == expected

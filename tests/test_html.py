@@ -11,7 +11,6 @@ import shutil
 
 import pytest
 import yaml
-
 from book_build import ROOT, toc_files
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -19,8 +18,12 @@ PAGES = [f for f in toc_files()]
 NOTEBOOK_PAGES = [f for f in PAGES if (ROOT / f"{f}.ipynb").exists()]
 
 if CHROMIUM is None and os.environ.get("REQUIRE_BROWSER"):
-    raise RuntimeError("REQUIRE_BROWSER is set but Chromium is not installed (apt-get install chromium)")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Chromium not installed (apt-get install chromium)")
+    raise RuntimeError(
+        "REQUIRE_BROWSER is set but Chromium is not installed (apt-get install chromium)"
+    )
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None, reason="Chromium not installed (apt-get install chromium)"
+)
 
 
 # The fixtures `server` (the built HTML on a local port) and `browser` (one Chromium per worker)
@@ -85,13 +88,17 @@ def load_page(browser, server, page_path, width=1366):
     if key in _LOADED:
         _LOADED.move_to_end(key)
         return _LOADED[key]
-    context = browser.new_context(viewport={"width": width, "height": 900}, accept_downloads=True)
+    context = browser.new_context(
+        viewport={"width": width, "height": 900}, accept_downloads=True
+    )
     page = context.new_page()
     errors = []
     page.on("pageerror", lambda e: errors.append(str(e)))
     blocked = block_non_local(page, server)
     response = page.goto(f"{server}/{page_path}.html", wait_until="load")
-    assert response is not None and response.ok, f"{page_path}: HTTP {response and response.status}"
+    assert response is not None and response.ok, (
+        f"{page_path}: HTTP {response and response.status}"
+    )
     page.wait_for_timeout(300)  # the page's own scripts (scroll cues, figures) have run
     _LOADED[key] = (_Kept(page), errors, blocked)
     while len(_LOADED) > KEEP:
@@ -132,12 +139,19 @@ def test_page_loads_and_math_renders(browser, server, page_path):
         assert page.title().strip(), f"{page_path}: empty title"
         has_math = page.locator("div.math, span.math").count() > 0
         if has_math:
-            page.wait_for_function("() => document.querySelectorAll('mjx-container').length > 0", timeout=30000)
-            assert page.locator("mjx-merror").count() == 0, f"{page_path}: MathJax reported an error"
+            page.wait_for_function(
+                "() => document.querySelectorAll('mjx-container').length > 0",
+                timeout=30000,
+            )
+            assert page.locator("mjx-merror").count() == 0, (
+                f"{page_path}: MathJax reported an error"
+            )
             assert "Math input error" not in page.inner_text("main")
         assert not errors, f"{page_path}: JavaScript errors: {errors}"
         local_scripts = [u for u in blocked if "mathjax" in u.lower()]
-        assert not local_scripts, f"{page_path}: MathJax was requested from the network: {local_scripts}"
+        assert not local_scripts, (
+            f"{page_path}: MathJax was requested from the network: {local_scripts}"
+        )
     finally:
         page.context.close()
 
@@ -147,13 +161,21 @@ def test_chapter_outputs_are_clean_and_figures_load(browser, server, page_path):
     page, errors, _ = open_page(browser, server, page_path)
     try:
         main = page.inner_text("main")
-        assert "Traceback (most recent call last)" not in main, f"{page_path}: a traceback is shown"
-        assert page.locator(".output.error, .output.traceback, .output.stderr").count() == 0, \
-            f"{page_path}: an error or stderr output is shown"
-        images = page.locator("main .cell_output img")  # figures produced by the chapter's code
+        assert "Traceback (most recent call last)" not in main, (
+            f"{page_path}: a traceback is shown"
+        )
+        assert (
+            page.locator(".output.error, .output.traceback, .output.stderr").count()
+            == 0
+        ), f"{page_path}: an error or stderr output is shown"
+        images = page.locator(
+            "main .cell_output img"
+        )  # figures produced by the chapter's code
         assert images.count() > 0, f"{page_path}: the chapter has no figure"
-        broken = page.evaluate("() => [...document.querySelectorAll('main img')]"  # every image, logos too
-                               ".filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src)")
+        broken = page.evaluate(
+            "() => [...document.querySelectorAll('main img')]"  # every image, logos too
+            ".filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src)"
+        )
         assert not broken, f"{page_path}: figures that did not load: {broken}"
     finally:
         page.context.close()
@@ -165,11 +187,18 @@ def test_colab_link_points_at_the_chapter_notebook(browser, server, page_path):
     repo = cfg["repository"]["url"].rstrip("/").removeprefix("https://github.com/")
     page, _, _ = open_page(browser, server, page_path)
     try:
-        hrefs = page.eval_on_selector_all("a[href*='colab.research.google.com']", "els => els.map(e => e.href)")
+        hrefs = page.eval_on_selector_all(
+            "a[href*='colab.research.google.com']", "els => els.map(e => e.href)"
+        )
         # the Colab edition (tools/colab_edition.py), published to its own branch by pages.yml
-        branch = cfg["sphinx"]["config"].get("colab_edition_branch") or cfg["repository"]["branch"]
+        branch = (
+            cfg["sphinx"]["config"].get("colab_edition_branch")
+            or cfg["repository"]["branch"]
+        )
         expected = f"https://colab.research.google.com/github/{repo}/blob/{branch}/{page_path}.ipynb"
-        assert expected in hrefs, f"{page_path}: Colab links {hrefs}, expected {expected}"
+        assert expected in hrefs, (
+            f"{page_path}: Colab links {hrefs}, expected {expected}"
+        )
         assert (ROOT / f"{page_path}.ipynb").exists()
     finally:
         page.context.close()

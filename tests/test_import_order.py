@@ -68,9 +68,16 @@ PRELUDES = {
 
 def _run(code: str) -> subprocess.CompletedProcess:
     env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)  # as a reader's fresh shell has it: the package decides
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          timeout=300)
+    env.pop(
+        "TRITON_INTERPRET", None
+    )  # as a reader's fresh shell has it: the package decides
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
 
 
 @pytest.mark.parametrize("prelude", list(PRELUDES), ids=list(PRELUDES))
@@ -83,8 +90,10 @@ def test_every_kernel_runs_whatever_was_imported_first(prelude):
 
 
 def test_the_reproducer_from_the_issue():
-    done = _run("import triton.language; import torch, normbook; "
-                "print(normbook.rms_norm(torch.randn(2, 8).to(normbook.DEVICE)).shape)")
+    done = _run(
+        "import triton.language; import torch, normbook; "
+        "print(normbook.rms_norm(torch.randn(2, 8).to(normbook.DEVICE)).shape)"
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "torch.Size([2, 8])"
 
@@ -92,7 +101,8 @@ def test_the_reproducer_from_the_issue():
 def test_library_functions_are_interpreted_after_a_late_import():
     """White box, on a CPU only: after ``import triton.language; import normbook`` no Triton
     library function is left in compiled mode (the cause of the original error)."""
-    done = _run(textwrap.dedent("""
+    done = _run(
+        textwrap.dedent("""
         import triton.language as tl
         from triton.runtime.jit import JITFunction
         import normbook
@@ -103,5 +113,6 @@ def test_library_functions_are_interpreted_after_a_late_import():
             assert type(tl.sum).__name__ == "InterpretedFunction"
             assert tl.tensor.sum is tl.sum  # one replacement, shared by every name
         print("ok")
-    """))
+    """)
+    )
     assert done.returncode == 0, done.stderr[-3000:]

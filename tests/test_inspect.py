@@ -18,8 +18,8 @@ import json
 import os
 
 import pytest
-
 import run_once
+
 from normbook.lab import inspector as inspector
 
 ARCHS = inspector.ARCHS
@@ -27,20 +27,35 @@ DTYPES = inspector.DTYPES
 ODD = inspector.ODD_SHAPES
 
 # (call, phase) of every public launch path; a call that launches nothing would be missing rows.
-PATHS = [("rms_norm", "forward"), ("rms_norm", "backward"), ("layer_norm", "forward"),
-         ("layer_norm", "backward"), ("fused_add_rms_norm", "forward"), ("qk_norm_rope", "forward"),
-         ("fused_add_rms_norm", "backward"), ("qk_norm_rope", "backward"),
-         ("softmax", "forward"), ("softmax", "backward"), ("cross_entropy", "forward"),
-         ("cross_entropy", "backward"), ("attention", "forward"), ("attention", "backward"),
-         ("sample", "forward"),
-         ("row_variance.two_pass", "forward"), ("row_variance.one_pass", "forward"),
-         ("row_variance.welford", "forward"),
-         # fp32 inputs with statistics accumulated in bf16 (the variance chapter's experiment)
-         ("row_variance.two_pass.bf16acc", "forward"), ("row_variance.one_pass.bf16acc", "forward"),
-         ("row_variance.welford.bf16acc", "forward"),
-         ("swiglu", "forward"), ("swiglu", "backward"),
-         # decode attention, at the decode (and odd) shapes only: a KV cache per row
-         ("decode_attention", "forward"), ("decode_attention.paged", "forward")]
+PATHS = [
+    ("rms_norm", "forward"),
+    ("rms_norm", "backward"),
+    ("layer_norm", "forward"),
+    ("layer_norm", "backward"),
+    ("fused_add_rms_norm", "forward"),
+    ("qk_norm_rope", "forward"),
+    ("fused_add_rms_norm", "backward"),
+    ("qk_norm_rope", "backward"),
+    ("softmax", "forward"),
+    ("softmax", "backward"),
+    ("cross_entropy", "forward"),
+    ("cross_entropy", "backward"),
+    ("attention", "forward"),
+    ("attention", "backward"),
+    ("sample", "forward"),
+    ("row_variance.two_pass", "forward"),
+    ("row_variance.one_pass", "forward"),
+    ("row_variance.welford", "forward"),
+    # fp32 inputs with statistics accumulated in bf16 (the variance chapter's experiment)
+    ("row_variance.two_pass.bf16acc", "forward"),
+    ("row_variance.one_pass.bf16acc", "forward"),
+    ("row_variance.welford.bf16acc", "forward"),
+    ("swiglu", "forward"),
+    ("swiglu", "backward"),
+    # decode attention, at the decode (and odd) shapes only: a KV cache per row
+    ("decode_attention", "forward"),
+    ("decode_attention.paged", "forward"),
+]
 DECODE_ONLY = {"decode_attention", "decode_attention.paged"}
 #: Index loads besides the row loads: the paged cache reads one int32 block number per key.
 INDEX_GATHERS = {("decode_attention.paged", "forward"): "Table"}
@@ -81,7 +96,9 @@ KNOWN_TO_FAIL = {
 #: more shapes: fp32 at every bench shape, 12 B / 8 B). Not strict: an expected failure
 #: under Triton < 3.9 only.
 _TRITON = tuple(int(p) for p in __import__("triton").__version__.split(".")[:2])
-FLOOR_MAY_FAIL = {("spills", 75, "attention", "backward")} if _TRITON < (3, 9) else set()
+FLOOR_MAY_FAIL = (
+    {("spills", 75, "attention", "backward")} if _TRITON < (3, 9) else set()
+)
 
 #: Calls that take no fp64 (the gradient checks that launch fp64 do not apply to them).
 NO_FP64 = {"attention", "decode_attention", "decode_attention.paged"}
@@ -102,7 +119,10 @@ def _compute_rows():
     # is new every run (INSPECT_VERIFY_SEED repeats one).
     verified = None
     if inspector.recorded():
-        seed = int(os.environ.get("INSPECT_VERIFY_SEED") or int.from_bytes(os.urandom(4), "big"))
+        seed = int(
+            os.environ.get("INSPECT_VERIFY_SEED")
+            or int.from_bytes(os.urandom(4), "big")
+        )
         verified = inspector.verify_recorded(rows, seed)
     return {"rows": rows, "verified": verified}
 
@@ -129,10 +149,19 @@ def _params(check):
         for call, phase in PATHS:
             marks = ()
             if (check, arch, call, phase) in KNOWN_TO_FAIL:
-                marks = pytest.mark.xfail(strict=True, reason="known today; remove from KNOWN_TO_FAIL once fixed")
+                marks = pytest.mark.xfail(
+                    strict=True,
+                    reason="known today; remove from KNOWN_TO_FAIL once fixed",
+                )
             elif (check, arch, call, phase) in FLOOR_MAY_FAIL:
-                marks = pytest.mark.xfail(strict=False, reason="spills under the floor's Triton")
-            out.append(pytest.param(arch, call, phase, marks=marks, id=f"sm_{arch}-{call}-{phase}"))
+                marks = pytest.mark.xfail(
+                    strict=False, reason="spills under the floor's Triton"
+                )
+            out.append(
+                pytest.param(
+                    arch, call, phase, marks=marks, id=f"sm_{arch}-{call}-{phase}"
+                )
+            )
     return out
 
 
@@ -140,7 +169,9 @@ OPTIONAL: set = set()  # (call, phase) that may launch nothing here
 
 
 def _rows(table, arch, call, phase):
-    rows = [r for r in table if (r["arch"], r["call"], r["phase"]) == (arch, call, phase)]
+    rows = [
+        r for r in table if (r["arch"], r["call"], r["phase"]) == (arch, call, phase)
+    ]
     if not rows and (call, phase) in OPTIONAL:
         pytest.skip(f"{call} has no Triton backward here")
     assert rows, f"no launch recorded for {call} {phase} on sm_{arch}"
@@ -158,10 +189,16 @@ def test_every_variant_compiles(inspector_table, arch, call, phase):
     assert not failed, "\n".join(failed)
     # Every dtype and every shape launched something on this path.
     no_fp64 = call.endswith("bf16acc") or call in NO_FP64
-    assert {r["dtype"] for r in rows} == ({"fp32"} if call.endswith("bf16acc")
-                                          else set(DTYPES) | ({"fp64"} if not no_fp64 else set()))
-    assert {(r["M"], r["N"]) for r in rows} >= {(m, n) for lab, m, n in inspector.bench_shapes()
-                                                if call not in DECODE_ONLY or lab == "decode"}
+    assert {r["dtype"] for r in rows} == (
+        {"fp32"}
+        if call.endswith("bf16acc")
+        else set(DTYPES) | ({"fp64"} if not no_fp64 else set())
+    )
+    assert {(r["M"], r["N"]) for r in rows} >= {
+        (m, n)
+        for lab, m, n in inspector.bench_shapes()
+        if call not in DECODE_ONLY or lab == "decode"
+    }
 
 
 @pytest.mark.parametrize("arch,call,phase", _params("spills"))
@@ -169,9 +206,13 @@ def test_no_variant_spills_registers(inspector_table, arch, call, phase):
     """ptxas -v: 0 bytes spill stores and loads for every variant at every benchmark and decode
     shape. A spill moves registers through local memory (DRAM behind L1/L2): traffic the byte
     count of a memory-bound kernel does not include."""
-    spilled = [f"{_where(r)}: {r['spill_stores']} B stores / {r['spill_loads']} B loads, "
-               f"{r['registers']} registers" for r in _rows(inspector_table, arch, call, phase)
-               if r["shape"] in ("bench", "decode") and (r.get("spill_stores") or r.get("spill_loads"))]
+    spilled = [
+        f"{_where(r)}: {r['spill_stores']} B stores / {r['spill_loads']} B loads, "
+        f"{r['registers']} registers"
+        for r in _rows(inspector_table, arch, call, phase)
+        if r["shape"] in ("bench", "decode")
+        and (r.get("spill_stores") or r.get("spill_loads"))
+    ]
     assert not spilled, "\n".join(spilled)
 
 
@@ -189,7 +230,9 @@ def test_row_loads_are_128_bit(inspector_table, arch, call, phase):
                 continue
             widths = r["loads"].get(arg, [])
             if SINGLE_ELEMENT_GATHERS.get((call, phase)) == arg:
-                widths = [w for w in widths if w != _ELEMENT_BITS[r["dtype"]]] or [0]  # rows too
+                widths = [w for w in widths if w != _ELEMENT_BITS[r["dtype"]]] or [
+                    0
+                ]  # rows too
             if any(w < 128 for w in widths):
                 narrow.append(f"{_where(r)}: {arg} loaded {widths} bits at a time")
     assert not narrow, "\n".join(narrow)
@@ -202,11 +245,21 @@ def test_the_table_reads_the_compilers_output(inspector_table):
     for r in inspector_table:
         if "error" in r:
             continue
-        assert 0 < r["registers"] <= 255 and r["num_warps"] in (1, 2, 4, 8, 16, 32), _where(r)
-        assert "?" not in r["loads"], f"{_where(r)}: a load whose address was not traced: {r['loads']}"
+        assert 0 < r["registers"] <= 255 and r["num_warps"] in (1, 2, 4, 8, 16, 32), (
+            _where(r)
+        )
+        assert "?" not in r["loads"], (
+            f"{_where(r)}: a load whose address was not traced: {r['loads']}"
+        )
         assert r["ctas_per_sm"] >= 1, _where(r)
-    fwd = [r for r in inspector_table if r["kernel"] == "_rms_norm_fwd" and "error" not in r]
-    assert fwd and all(any(k.startswith(("sqrt", "rsqrt")) for k in r["math"]) for r in fwd)
+    fwd = [
+        r
+        for r in inspector_table
+        if r["kernel"] == "_rms_norm_fwd" and "error" not in r
+    ]
+    assert fwd and all(
+        any(k.startswith(("sqrt", "rsqrt")) for k in r["math"]) for r in fwd
+    )
 
 
 def test_occupancy_and_littles_law():
@@ -219,7 +272,9 @@ def test_occupancy_and_littles_law():
     assert inspector.occupancy(h100, 128, 16, 0)[0] == 1
     # Shared memory: 100 KiB + 1 KiB reserved per CTA in 228 KiB → 2.
     assert inspector.occupancy(h100, 16, 1, 100 * 1024) == (2, "shared memory")
-    assert inspector.littles_law_bytes(h100, 600) == pytest.approx(3.35e12 * 600e-9 / 132)
+    assert inspector.littles_law_bytes(h100, 600) == pytest.approx(
+        3.35e12 * 600e-9 / 132
+    )
 
 
 def test_ptx_reader_traces_addresses_to_arguments():
@@ -240,9 +295,18 @@ def test_ptx_reader_traces_addresses_to_arguments():
     div.full.f32 %f3, %f4, %f1;
     """
     got = inspector.analyze_ptx(ptx, {0: "X", 1: "Y"})
-    acc = [(a["op"], a["bits"], a["args"], a["loop"] is not None) for a in got["accesses"]]
-    assert acc == [("ld", 128, ["X"], True), ("ld", 16, ["Y"], True), ("st", 64, ["Y"], False)]
-    assert got["math"] == {"sqrt.approx.ftz.f32": 1, "div.full.f32": 1} and got["loops"] == 1
+    acc = [
+        (a["op"], a["bits"], a["args"], a["loop"] is not None) for a in got["accesses"]
+    ]
+    assert acc == [
+        ("ld", 128, ["X"], True),
+        ("ld", 16, ["Y"], True),
+        ("st", 64, ["Y"], False),
+    ]
+    assert (
+        got["math"] == {"sqrt.approx.ftz.f32": 1, "div.full.f32": 1}
+        and got["loops"] == 1
+    )
 
 
 def test_command_line_prints_the_table(inspector_table, tmp_path):
@@ -251,9 +315,27 @@ def test_command_line_prints_the_table(inspector_table, tmp_path):
     import sys
 
     out = tmp_path / "t.json"
-    proc = subprocess.run([sys.executable, "-m", "normbook.lab.inspector", "--arch", "90", "--dtypes", "bf16",
-                           "--shapes", "decode", "--calls", "rms_norm", "--json", str(out)],
-                          capture_output=True, text=True, timeout=1200, cwd=inspector.ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "normbook.lab.inspector",
+            "--arch",
+            "90",
+            "--dtypes",
+            "bf16",
+            "--shapes",
+            "decode",
+            "--calls",
+            "rms_norm",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=inspector.ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Little's law" in proc.stdout and "_rms_norm_fwd" in proc.stdout
     data = json.loads(out.read_text())
@@ -265,7 +347,9 @@ def test_phases_choose_what_is_compiled(inspector_table):
     """``phases=("forward",)`` inspects no backward launch; both phases give the backward's
     kernels too; a misspelt phase or an unknown architecture is refused before any child
     starts. Cached by the table's run."""
-    small = dict(archs=(90,), dtypes=("fp32",), shapes=[("odd", 6, 1000)], calls=["rms_norm"])
+    small = dict(
+        archs=(90,), dtypes=("fp32",), shapes=[("odd", 6, 1000)], calls=["rms_norm"]
+    )
     forward = inspector.run_inspector(**small, phases=("forward",))["rows"]
     both = inspector.run_inspector(**small)["rows"]
     assert forward and {r["phase"] for r in forward} == {"forward"}
@@ -281,14 +365,23 @@ def test_units_come_back_in_order_whichever_child_ran_them(inspector_table):
     """Two children share four units (each takes the next unclaimed one): the rows come
     back in the units' order (architecture, then dtype), as one child gives them. An
     empty request starts no child."""
-    small = dict(archs=(90, 75), dtypes=("fp32", "bf16"), shapes=[("odd", 6, 1000)],
-                 calls=["softmax"], phases=("forward",))
+    small = dict(
+        archs=(90, 75),
+        dtypes=("fp32", "bf16"),
+        shapes=[("odd", 6, 1000)],
+        calls=["softmax"],
+        phases=("forward",),
+    )
     shared = inspector.run_inspector(**small, jobs=2)["rows"]
     alone = inspector.run_inspector(**small, jobs=1)["rows"]
-    assert [(r["arch"], r["dtype"]) for r in shared] == \
-        [(a, d) for a in (90, 75) for d in ("fp32", "bf16")]
+    assert [(r["arch"], r["dtype"]) for r in shared] == [
+        (a, d) for a in (90, 75) for d in ("fp32", "bf16")
+    ]
     assert shared == alone
-    assert inspector.run_inspector(archs=(), dtypes=("fp32",)) == {"meta": {}, "rows": []}
+    assert inspector.run_inspector(archs=(), dtypes=("fp32",)) == {
+        "meta": {},
+        "rows": [],
+    }
 
 
 def test_a_deadline_keeps_what_finished(monkeypatch):
@@ -297,12 +390,20 @@ def test_a_deadline_keeps_what_finished(monkeypatch):
     of raising; without ``partial`` the timeout raises."""
     import subprocess
 
-    small = dict(archs=(90, 80), dtypes=("fp32",), shapes=[("odd", 6, 1000)],
-                 calls=["rms_norm"], timeout=0)
+    small = dict(
+        archs=(90, 80),
+        dtypes=("fp32",),
+        shapes=[("odd", 6, 1000)],
+        calls=["rms_norm"],
+        timeout=0,
+    )
     started = []
     real = subprocess.Popen
-    monkeypatch.setattr(subprocess, "Popen",
-                        lambda *a, **k: started.append(real(*a, **k)) or started[-1])
+    monkeypatch.setattr(
+        subprocess,
+        "Popen",
+        lambda *a, **k: started.append(real(*a, **k)) or started[-1],
+    )
     out = inspector.run_inspector(**small, partial=True)
     # a unit that finished within the second (a warm cache, a fast machine) comes back whole
     finished = {r["arch"] for r in out["rows"]}
@@ -336,8 +437,14 @@ def test_a_variant_two_processes_need_is_compiled_once(monkeypatch, tmp_path):
 
     monkeypatch.setattr(inspector, "_compile", slow_compile)
     got = []
-    threads = [threading.Thread(target=lambda: got.append(inspector._compile_and_read(
-        None, None, None, None, None, None, "0123"))) for _ in range(2)]
+    threads = [
+        threading.Thread(
+            target=lambda: got.append(
+                inspector._compile_and_read(None, None, None, None, None, None, "0123")
+            )
+        )
+        for _ in range(2)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -352,13 +459,25 @@ def test_a_failing_child_fails_the_run(monkeypatch, tmp_path):
     blocker = tmp_path / "cache"
     blocker.write_text("")
     real = inspector._child_env
-    monkeypatch.setattr(inspector, "_child_env",
-                        lambda: {**real(), "NORMBOOK_INSPECT_CACHE": str(blocker),
-                                 "NORMBOOK_INSPECT_RECORDED": ""})
+    monkeypatch.setattr(
+        inspector,
+        "_child_env",
+        lambda: {
+            **real(),
+            "NORMBOOK_INSPECT_CACHE": str(blocker),
+            "NORMBOOK_INSPECT_RECORDED": "",
+        },
+    )
     for partial in (False, True):
         with pytest.raises(RuntimeError, match="child failed"):
-            inspector.run_inspector(archs=(90,), dtypes=("fp32",), shapes=[("odd", 6, 1000)],
-                                    calls=["rms_norm"], timeout=600, partial=partial)
+            inspector.run_inspector(
+                archs=(90,),
+                dtypes=("fp32",),
+                shapes=[("odd", 6, 1000)],
+                calls=["rms_norm"],
+                timeout=600,
+                partial=partial,
+            )
 
 
 def test_a_cache_hit_refreshes_the_entrys_time(tmp_path):
@@ -383,20 +502,26 @@ def test_the_recorded_table_covers_the_survey(inspector_table):
     if not header:
         pytest.skip("no recorded table here (a package installed without data/)")
     if header.get("triton") != installed:
-        pytest.skip(f"the table was recorded with triton {header.get('triton')}, this is "
-                    f"{installed} (requirements.txt pins the table's): every variant was "
-                    f"compiled")
+        pytest.skip(
+            f"the table was recorded with triton {header.get('triton')}, this is "
+            f"{installed} (requirements.txt pins the table's): every variant was "
+            f"compiled"
+        )
     assert header.get("analysis") == inspector.analysis_version(), (
         "kernels/normbook/lab/inspector.py reads the compiler's output differently from when the table was "
-        "recorded: record it again from nothing (make inspect-record FROM_SCRATCH=1)")
+        "recorded: record it again from nothing (make inspect-record FROM_SCRATCH=1)"
+    )
     variants = {r["variant"] for r in inspector_table if "error" not in r}
     table = set(inspector.recorded())
     missing, stale = variants - table, table - variants
-    kernels_missing = sorted({r["kernel"] for r in inspector_table if r["variant"] in missing})
+    kernels_missing = sorted(
+        {r["kernel"] for r in inspector_table if r["variant"] in missing}
+    )
     assert not missing and not stale, (
         f"{len(missing)} variants not recorded (kernels {kernels_missing}), {len(stale)} "
         f"recorded that no test compiles: run `make inspect-record` and commit "
-        f"{inspector.RECORDED.relative_to(inspector.ROOT)}")
+        f"{inspector.RECORDED.relative_to(inspector.ROOT)}"
+    )
     assert header["variants"] == len(table)
 
 
@@ -413,33 +538,52 @@ def test_the_recorded_table_says_what_a_fresh_compile_says(inspector_verificatio
     assert not v["mismatches"], (
         f"seed {v['seed']} (INSPECT_VERIFY_SEED repeats it); if the compiler is right, record "
         f"the table again from nothing (make inspect-record FROM_SCRATCH=1):\n"
-        + "\n".join(map(str, v["mismatches"][:20])))
+        + "\n".join(map(str, v["mismatches"][:20]))
+    )
 
 
 def test_a_wrong_recorded_entry_is_caught(inspector_table, tmp_path):
     """The check above can fail: a table whose entries for one unit say one register more (as a
     table edited by hand, or recorded by another compiler, would), read as the tests read it
     (before any cache), gives rows that differ from a fresh compile, register for register."""
-    small = dict(archs=(75,), dtypes=("fp16",), shapes=[("odd", 6, 1000)], calls=["softmax"],
-                 phases=("forward",))
+    small = dict(
+        archs=(75,),
+        dtypes=("fp16",),
+        shapes=[("odd", 6, 1000)],
+        calls=["softmax"],
+        phases=("forward",),
+    )
     right = inspector.run_inspector(**small)["rows"]
     assert right
     entries = {}
     for r in right:
         info = inspector.recorded().get(r["variant"])
         if info is None:  # not recorded here (another Triton): the cache's entry
-            info = inspector._cached(inspector.CACHE / f"{r['variant']}.json",
-                                     __import__("triton").__version__)
+            info = inspector._cached(
+                inspector.CACHE / f"{r['variant']}.json",
+                __import__("triton").__version__,
+            )
         entries[r["variant"]] = dict(info, registers=info["registers"] + 1)
     table = tmp_path / "variants.jsonl"
-    table.write_text(json.dumps({"triton": __import__("triton").__version__,
-                                 "analysis": inspector.analysis_version()}) + "\n" +
-                     "".join(json.dumps({"key": k, **v}) + "\n" for k, v in entries.items()))
-    wrong = inspector.run_inspector(**small, env={"NORMBOOK_INSPECT_RECORDED": str(table)})["rows"]
+    table.write_text(
+        json.dumps(
+            {
+                "triton": __import__("triton").__version__,
+                "analysis": inspector.analysis_version(),
+            }
+        )
+        + "\n"
+        + "".join(json.dumps({"key": k, **v}) + "\n" for k, v in entries.items())
+    )
+    wrong = inspector.run_inspector(
+        **small, env={"NORMBOOK_INSPECT_RECORDED": str(table)}
+    )["rows"]
     assert [r["registers"] for r in wrong] == [r["registers"] + 1 for r in right]
     check = dict(seed=1, jobs=1, phases=small["phases"])
     got = inspector.verify_recorded(wrong, **check)["mismatches"]
-    assert [(m[1], m[2] - m[3]) for m in got] == [(f"{r['kernel']}.registers", 1) for r in right]
+    assert [(m[1], m[2] - m[3]) for m in got] == [
+        (f"{r['kernel']}.registers", 1) for r in right
+    ]
     assert inspector.verify_recorded(right, **check)["mismatches"] == []
 
 
@@ -449,24 +593,41 @@ def test_the_recorded_table_is_read_and_written(monkeypatch, tmp_path):
     import triton
 
     monkeypatch.setattr(inspector, "CACHE", tmp_path / "cache")
-    entry = {"registers": 40, "num_warps": 4, "ptx": ".file 1 \"/a/k.py\"\nld.global.b32",
-             "compile_s": 1.5, "triton": triton.__version__}
+    entry = {
+        "registers": 40,
+        "num_warps": 4,
+        "ptx": '.file 1 "/a/k.py"\nld.global.b32',
+        "compile_s": 1.5,
+        "triton": triton.__version__,
+    }
     (tmp_path / "cache").mkdir()
     (tmp_path / "cache" / "k1.json").write_text(json.dumps(entry))
     table = tmp_path / "variants.jsonl"
-    assert inspector.write_recorded([{"variant": "k1"}, {"variant": "k1"},
-                                     {"variant": "bad", "error": "x"}], table) == 1
+    assert (
+        inspector.write_recorded(
+            [{"variant": "k1"}, {"variant": "k1"}, {"variant": "bad", "error": "x"}],
+            table,
+        )
+        == 1
+    )
     lines = table.read_text().splitlines()
     assert json.loads(lines[0])["triton"] == triton.__version__ and len(lines) == 2
     assert set(json.loads(lines[1])) == {"key", "registers", "num_warps", "ptx_sha"}
     (tmp_path / "cache" / "k1.json").unlink()
     monkeypatch.setenv("NORMBOOK_INSPECT_RECORDED", str(table))
     compiled = []
-    monkeypatch.setattr(inspector, "_compile", lambda *a: compiled.append(a) or {"ptx": "p"})
+    monkeypatch.setattr(
+        inspector, "_compile", lambda *a: compiled.append(a) or {"ptx": "p"}
+    )
     got = inspector._compile_and_read(None, None, None, None, None, None, "k1")
     assert got["registers"] == 40 and not compiled
-    assert inspector._compile_and_read(None, None, None, None, None, None, "k1",
-                                       need_ptx=True) == {"ptx": "p"} and len(compiled) == 1
+    assert (
+        inspector._compile_and_read(
+            None, None, None, None, None, None, "k1", need_ptx=True
+        )
+        == {"ptx": "p"}
+        and len(compiled) == 1
+    )
     with pytest.raises(RuntimeError, match="neither cached nor recorded"):
         inspector.write_recorded([{"variant": "k2"}], tmp_path / "other.jsonl")
     header = json.loads(lines[0])
@@ -498,8 +659,10 @@ def test_two_threads_load_the_recorded_table_once(monkeypatch, tmp_path):
     monkeypatch.setattr(inspector, "_RECORDED_CACHE", {})
     monkeypatch.setattr(inspector, "_load_recorded", slow_load)
     got = []
-    threads = [threading.Thread(target=lambda: got.append(inspector.recorded(tmp_path / "t")))
-               for _ in range(2)]
+    threads = [
+        threading.Thread(target=lambda: got.append(inspector.recorded(tmp_path / "t")))
+        for _ in range(2)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -510,10 +673,14 @@ def test_two_threads_load_the_recorded_table_once(monkeypatch, tmp_path):
 def test_the_ptx_hash_leaves_out_the_paths():
     """Two clones at different paths compile the same PTX but for its .file lines and its
     DWARF sections (the path spelt in bytes): the hash leaves out both, and nothing else."""
+
     def ptx(root, load="v4"):
         path = " ".join(f".b8 {b}" for b in root.encode())
-        return (f'\t.file\t1 "{root}/kernels/normbook/rms_norm.py"\nld.global.{load}.b32 {{%r1}}, [%rd1];'
-                f'\n}}\n\t.section\t.debug_info\n\t{{\n{path}\n\t}}\n')
+        return (
+            f'\t.file\t1 "{root}/kernels/normbook/rms_norm.py"\nld.global.{load}.b32 {{%r1}}, [%rd1];'
+            f"\n}}\n\t.section\t.debug_info\n\t{{\n{path}\n\t}}\n"
+        )
+
     a, b = ptx("/work/main"), ptx("/tmp/clone")
     assert a != b and inspector._ptx_sha(a) == inspector._ptx_sha(b)
     assert inspector._ptx_sha(a) != inspector._ptx_sha(ptx("/work/main", "v2"))
@@ -534,6 +701,8 @@ def test_a_variants_key_does_not_name_the_checkouts_path(tmp_path):
         copies.append(shutil.copy(lib, tmp_path / name / "libdevice.10.bc"))
     other = tmp_path / "c.bc"
     other.write_bytes(b"not libdevice")
-    a, b, c = (CUDAOptions(extern_libs=(("libdevice", str(f)),)).hash()
-               for f in (*copies, other))
+    a, b, c = (
+        CUDAOptions(extern_libs=(("libdevice", str(f)),)).hash()
+        for f in (*copies, other)
+    )
     assert a == b != c

@@ -11,15 +11,17 @@ import importlib
 
 import pytest
 import torch
+from backward_helpers import NORM_BACKWARD_CASES, assert_grad_close
+from conftest import LOW_PRECISION, randn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backward_helpers import NORM_BACKWARD_CASES, assert_grad_close
-from conftest import LOW_PRECISION, randn
 from normbook import layer_norm
 from normbook import reference as ref
 
-ln_mod = importlib.import_module("normbook.layer_norm")  # the module, not the function of the same name
+ln_mod = importlib.import_module(
+    "normbook.layer_norm"
+)  # the module, not the function of the same name
 
 
 def rows_for(n):
@@ -37,7 +39,11 @@ def reference_grads(x, w, b, dy, eps):
     xhat = (xd - ref.mean(xd)) * rstd
     a = xhat.abs() + rstd * xd.abs().amax(-1, keepdim=True)
     g = dy64 if w is None else dy64 * w.double()
-    dx_scale = rstd * (g.abs() + g.abs().mean(-1, keepdim=True) + a * (g.abs() * a).mean(-1, keepdim=True))
+    dx_scale = rstd * (
+        g.abs()
+        + g.abs().mean(-1, keepdim=True)
+        + a * (g.abs() * a).mean(-1, keepdim=True)
+    )
     n = x.shape[-1]
     dw_scale = (dy64.abs() * a).reshape(-1, n).sum(0)
     db_scale = dy64.abs().reshape(-1, n).sum(0)
@@ -71,7 +77,9 @@ def test_gradients_match_autograd_of_reference(dtype, n, poison_empty):
     """dx, dγ, dβ for fp32/fp16/bf16, one-block rows and rows wider than a block (4097 in every
     dtype; 262147 in fp32, 33001 in fp16 and bf16: NORM_BACKWARD_CASES)."""
     m = rows_for(n)
-    x = (randn(m, n, scale=3.0) + 2.0).to(dtype)  # a nonzero mean, so that centering matters
+    x = (randn(m, n, scale=3.0) + 2.0).to(
+        dtype
+    )  # a nonzero mean, so that centering matters
     w, b, dy = randn(n, dtype=dtype), randn(n, dtype=dtype), randn(m, n, dtype=dtype)
     check_all(run_backward(x, w, b, dy, 1e-5), x, w, b, dy, 1e-5, dtype)
 
@@ -103,7 +111,9 @@ def test_gradcheck_float64_through_the_kernels():
     x = randn(3, 7, dtype=torch.float64).requires_grad_()
     w = randn(7, dtype=torch.float64).requires_grad_()
     b = randn(7, dtype=torch.float64).requires_grad_()
-    assert torch.autograd.gradcheck(lambda a, c, d: layer_norm(a, c, d, 1e-5), (x, w, b))
+    assert torch.autograd.gradcheck(
+        lambda a, c, d: layer_norm(a, c, d, 1e-5), (x, w, b)
+    )
     assert torch.autograd.gradcheck(lambda a: layer_norm(a, None, None, 1e-5), (x,))
 
 
@@ -113,7 +123,9 @@ def test_gradcheck_float64_wide_rows_fast_mode():
     w = randn(8200, dtype=torch.float64).requires_grad_()
     b = randn(8200, dtype=torch.float64).requires_grad_()
     assert not ln_mod.backward_plan(2, 8200, 8, 2, 2).single.SINGLE_BLOCK
-    assert torch.autograd.gradcheck(lambda a, c, d: layer_norm(a, c, d, 1e-5), (x, w, b), fast_mode=True)
+    assert torch.autograd.gradcheck(
+        lambda a, c, d: layer_norm(a, c, d, 1e-5), (x, w, b), fast_mode=True
+    )
 
 
 def test_only_the_gradients_asked_for():
@@ -169,9 +181,16 @@ def test_broadcast_upstream_gradient():
     check_all(got, x, w, b, torch.ones(5, 33), 1e-5, torch.float32)
 
 
-@pytest.mark.parametrize("dtype, m, n", [(torch.bfloat16, 64, 300), (torch.float32, 9, 20000)])
+@pytest.mark.parametrize(
+    "dtype, m, n", [(torch.bfloat16, 64, 300), (torch.float32, 9, 20000)]
+)
 def test_parameter_gradients_are_bitwise_deterministic(dtype, m, n):
-    x, w, b, dy = randn(m, n, dtype=dtype), randn(n, dtype=dtype), randn(n, dtype=dtype), randn(m, n, dtype=dtype)
+    x, w, b, dy = (
+        randn(m, n, dtype=dtype),
+        randn(n, dtype=dtype),
+        randn(n, dtype=dtype),
+        randn(m, n, dtype=dtype),
+    )
     first = run_backward(x, w, b, dy, 1e-5)
     for _ in range(2):
         again = run_backward(x, w, b, dy, 1e-5)
@@ -218,7 +237,12 @@ def test_bad_arguments_are_rejected_before_autograd(monkeypatch):
 
 
 @settings(max_examples=20, deadline=None)
-@given(m=st.integers(1, 3), n=st.integers(2, 200), shift=st.floats(-10, 10), seed=st.integers(0, 2**31 - 1))
+@given(
+    m=st.integers(1, 3),
+    n=st.integers(2, 200),
+    shift=st.floats(-10, 10),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_property_gradient_is_centered_and_orthogonal_to_xhat(m, n, shift, seed):
     """J·1 = 0 (shift invariance) gives Σ_j dx_j = 0 for any ε; with ε = 0, J·(x − μ) = 0 (scale
     invariance) gives x̂·dx = 0. Each dx_j errs by at most 1e-5·scale_j + 2**-24·|dx_j| (see the
@@ -232,7 +256,11 @@ def test_property_gradient_is_centered_and_orthogonal_to_xhat(m, n, shift, seed)
     xhat = (xd - xd.mean(-1, keepdim=True)) / xd.std(-1, unbiased=False, keepdim=True)
     per_element = 1e-5 * sx + 2.0**-24 * dxd.abs()
     assert bool((dxd.sum(-1).abs() <= 2 * per_element.sum(-1)).all())
-    assert bool(((xhat * dxd).sum(-1).abs() <= 2 * ((1 + xhat.abs()) * per_element).sum(-1)).all())
+    assert bool(
+        (
+            (xhat * dxd).sum(-1).abs() <= 2 * ((1 + xhat.abs()) * per_element).sum(-1)
+        ).all()
+    )
 
 
 def test_the_backward_cases_reach_every_path():
@@ -243,7 +271,12 @@ def test_the_backward_cases_reach_every_path():
     widest = {dt: max(n for n, d in rows if d == dt) for dt in LOW_PRECISION}
     for dt in LOW_PRECISION:
         size = torch.tensor([], dtype=dt).element_size()
-        assert ln_mod.backward_plan(5, 1000, size, 2, 2).cols is None and (1000, dt) in rows
+        assert (
+            ln_mod.backward_plan(5, 1000, size, 2, 2).cols is None
+            and (1000, dt) in rows
+        )
         assert ln_mod.backward_plan(5, 4097, size, 2, 2).cols is not None
         assert not ln_mod.forward_config(widest[dt], size).SINGLE_BLOCK
-    assert ln_mod.forward_config(4097, 2).SINGLE_BLOCK and widest[torch.float16] == 33001
+    assert (
+        ln_mod.forward_config(4097, 2).SINGLE_BLOCK and widest[torch.float16] == 33001
+    )

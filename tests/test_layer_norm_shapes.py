@@ -11,8 +11,8 @@ import importlib
 
 import pytest
 import torch
-
 from conftest import randn
+
 from normbook import layer_norm
 
 ln_mod = importlib.import_module("normbook.layer_norm")
@@ -34,7 +34,9 @@ def test_partial_sums_are_at_most_5_percent_of_the_backward_bytes(dtype, params,
     essential = 3 * m * n * elt
     partial = params * plan.G * n * 4 * 2
     assert partial == ln_mod.partial_traffic(plan, n, params)
-    assert partial <= 0.05 * essential, f"G = {plan.G}: {partial / essential:.1%} of {essential} bytes"
+    assert partial <= 0.05 * essential, (
+        f"G = {plan.G}: {partial / essential:.1%} of {essential} bytes"
+    )
     # ... and still enough programs for every SM (two each).
     col_blocks = 1 if plan.single.SINGLE_BLOCK else -(-n // plan.cols.BLOCK_N)
     assert plan.G * col_blocks >= 2 * H100_SMS
@@ -52,12 +54,22 @@ def test_decode_backward_spreads_columns_over_programs(m, n):
 def test_configs_do_not_depend_on_the_number_of_rows():
     for n in (7, 1000, 4097, 20000, 262144):
         for elt in (2, 4):
-            a, b = ln_mod.backward_plan(1, n, elt, 2, H100_SMS), ln_mod.backward_plan(4096, n, elt, 2, H100_SMS)
+            a, b = (
+                ln_mod.backward_plan(1, n, elt, 2, H100_SMS),
+                ln_mod.backward_plan(4096, n, elt, 2, H100_SMS),
+            )
             assert (a.single, a.cols) == (b.single, b.cols)
 
 
-@pytest.mark.parametrize("dtype, n", [(torch.bfloat16, 7), (torch.float32, 1000), (torch.float32, 4097),
-                                      (torch.bfloat16, 20000)])
+@pytest.mark.parametrize(
+    "dtype, n",
+    [
+        (torch.bfloat16, 7),
+        (torch.float32, 1000),
+        (torch.float32, 4097),
+        (torch.bfloat16, 20000),
+    ],
+)
 def test_batch_invariance_forward_and_backward(dtype, n):
     """The same row alone (M = 1) and inside batches of other sizes: identical bits for y, the
     saved statistics and dx — on every path (one block, looped forward, two-kernel backward)."""
@@ -77,7 +89,9 @@ def test_batch_invariance_forward_and_backward(dtype, n):
     for i in (0, many // 2, many - 1):
         alone = run(slice(i, i + 1))
         for got, want in zip(alone, full):
-            assert torch.equal(got[0], want[i]), f"row {i} of {many} differs from the row alone"
+            assert torch.equal(got[0], want[i]), (
+                f"row {i} of {many} differs from the row alone"
+            )
     part = run(slice(1, many))  # another batch size, another position for each row
     for got, want in zip(part, full):
         assert torch.equal(got, want[1:])

@@ -24,8 +24,8 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import UNIT_ROUNDOFF, assert_rejected_before_launch, on_cpu, randn
+
 from normbook import DEVICE, cross_entropy, linear_cross_entropy
 from normbook import reference as ref
 
@@ -61,17 +61,25 @@ def _normwise(a, b):
 def test_matches_float64(dtype, reduction, poison_empty):
     h, w, t = _inputs(dtype)
     loss = linear_cross_entropy(h, w, t, reduction=reduction)
-    assert loss.dtype == dtype and loss.shape == (t.shape if reduction == "none" else ())
-    upstream = randn(*loss.shape, dtype=dtype) if loss.dim() else randn(1, dtype=dtype)[0]
+    assert loss.dtype == dtype and loss.shape == (
+        t.shape if reduction == "none" else ()
+    )
+    upstream = (
+        randn(*loss.shape, dtype=dtype) if loss.dim() else randn(1, dtype=dtype)[0]
+    )
     dh, dw = torch.autograd.grad(loss, (h, w), upstream)
     want, want_dh, want_dw = _exact(h, w, t, reduction, upstream)
     u = UNIT_ROUNDOFF[dtype]
     hc, wc = on_cpu(h).double(), on_cpu(w).double()
-    per_row = 2 * D * u * (hc.abs() @ wc.abs().T).max(dim=1).values + 8 * u * want.abs().max()
+    per_row = (
+        2 * D * u * (hc.abs() @ wc.abs().T).max(dim=1).values + 8 * u * want.abs().max()
+    )
     keep = on_cpu(t) != -100
-    bound = {"none": torch.where(keep, per_row, 0.0),
-             "sum": per_row[keep].sum(),
-             "mean": per_row[keep].mean()}[reduction]
+    bound = {
+        "none": torch.where(keep, per_row, 0.0),
+        "sum": per_row[keep].sum(),
+        "mean": per_row[keep].mean(),
+    }[reduction]
     assert bool(((on_cpu(loss).double() - want).abs() <= bound).all())
     grad_rtol = 2 * (D + max(M, V)) * u
     assert _normwise(on_cpu(dh), want_dh) <= grad_rtol
@@ -113,7 +121,8 @@ def test_no_intermediate_of_a_quarter_of_the_logits():
     assert largest < limit, (largest, limit)
     # The mode sees a materialized path's logits: the measurement can fail.
     _, materialized = lce.largest_intermediate(
-        step, lambda h, w, t: cross_entropy(F.linear(h, w), t))
+        step, lambda h, w, t: cross_entropy(F.linear(h, w), t)
+    )
     assert materialized >= m * v * 4
 
 
@@ -130,7 +139,9 @@ def test_chunk_rule():
 
 def test_ignore_index_value_and_every_target_ignored():
     h, w, t = _inputs(torch.float32)
-    t7 = torch.where(t == -100, 7, t)  # 7 is now the ignored class, -100 no longer occurs
+    t7 = torch.where(
+        t == -100, 7, t
+    )  # 7 is now the ignored class, -100 no longer occurs
     t7[t7 == 7] = 8
     t7[::5] = 7
     a = linear_cross_entropy(h, w, t7, ignore_index=7)
@@ -141,7 +152,9 @@ def test_ignore_index_value_and_every_target_ignored():
     for reduction in ("mean", "sum"):
         loss = linear_cross_entropy(h, w, none, reduction=reduction)
         want = F.cross_entropy(F.linear(h, w), none, reduction=reduction)
-        assert torch.equal(loss.isnan(), want.isnan()) and (want.isnan() or loss == want)
+        assert torch.equal(loss.isnan(), want.isnan()) and (
+            want.isnan() or loss == want
+        )
         dh, dw = torch.autograd.grad(loss, (h, w))
         assert bool((dh == 0).all() and (dw == 0).all())
 
@@ -149,7 +162,9 @@ def test_ignore_index_value_and_every_target_ignored():
 def test_shapes_empty_and_one_row():
     h, w, t = _inputs(torch.float32)
     one = linear_cross_entropy(h[3], w, t[3])  # (d,) hidden, () target
-    assert one.shape == () and torch.allclose(one, F.cross_entropy(F.linear(h[3], w), t[3]))
+    assert one.shape == () and torch.allclose(
+        one, F.cross_entropy(F.linear(h[3], w), t[3])
+    )
     empty = h[:0]
     assert linear_cross_entropy(empty, w, t[:0]).isnan()
     assert linear_cross_entropy(empty, w, t[:0], reduction="sum") == 0
@@ -161,7 +176,7 @@ def test_shapes_empty_and_one_row():
 def test_strided_hidden_and_only_weight_requires_grad():
     h, w, t = _inputs(torch.float32)
     wide = randn(M, 2 * D)
-    hs = wide[:, 5:5 + D]  # rows strided
+    hs = wide[:, 5 : 5 + D]  # rows strided
     w_only = w.detach().clone().requires_grad_()
     a = linear_cross_entropy(hs, w_only, t)
     (dw,) = torch.autograd.grad(a, w_only)
@@ -173,7 +188,10 @@ def test_strided_hidden_and_only_weight_requires_grad():
     # 4e-5 relatively in one run of many): normwise, as test_matches_float64 bounds
     # each against float64, so the two differ by at most twice that bound.
     assert torch.allclose(a, b, rtol=1e-6)
-    assert _normwise(on_cpu(dw), on_cpu(dw2).double()) <= 2 * 2 * (D + max(M, V)) * 2.0**-24
+    assert (
+        _normwise(on_cpu(dw), on_cpu(dw2).double())
+        <= 2 * 2 * (D + max(M, V)) * 2.0**-24
+    )
 
 
 def test_deterministic():
@@ -191,35 +209,56 @@ def test_gradcheck_float64():
     h, w, t = _inputs(torch.float64, m=6, d=5, v=40, ignore_every=4)
     for reduction in ("mean", "none"):
         assert torch.autograd.gradcheck(
-            lambda h, w: linear_cross_entropy(h, w, t, reduction=reduction), (h, w),
-            fast_mode=True)
+            lambda h, w: linear_cross_entropy(h, w, t, reduction=reduction),  # noqa: B023
+            (h, w),
+            fast_mode=True,
+        )
 
 
 def _bad(**change):
     h, w, t = randn(4, 8), randn(16, 8), torch.tensor([0, 1, 2, 3]).to(DEVICE)
     args = {"hidden": h, "weight": w, "target": t, **change}
     kwargs = {k: args.pop(k) for k in ("ignore_index", "reduction") if k in args}
-    return lambda: linear_cross_entropy(args["hidden"], args["weight"], args["target"], **kwargs)
+    return lambda: linear_cross_entropy(
+        args["hidden"], args["weight"], args["target"], **kwargs
+    )
 
 
-@pytest.mark.parametrize("call, exc, words", [
-    (_bad(hidden=randn(2, 4, 8)), ValueError, "hidden"),
-    (_bad(weight=randn(16, 7)), ValueError, "weight"),
-    (_bad(weight=randn(16)), ValueError, "weight"),
-    (_bad(weight=randn(0, 8)), ValueError, "weight"),
-    (_bad(weight=randn(16, 8, dtype=torch.float16)), TypeError, "weight"),
-    (_bad(hidden=torch.ones(4, 8, dtype=torch.int64)), TypeError, "hidden"),
-    (_bad(target=torch.tensor([0, 1, 2])), ValueError, "target"),
-    (_bad(target=torch.tensor([0.0, 1, 2, 3])), TypeError, "target"),
-    (_bad(target=torch.tensor([0, 1, 2, 16])), ValueError, "target"),
-    (_bad(target=[0, 1, 2, 3]), TypeError, "target"),
-    (_bad(reduction="avg"), ValueError, "reduction"),
-    (_bad(ignore_index=1.5), TypeError, "ignore_index"),
-    (_bad(hidden=torch.ones(4, 8, device="meta")), ValueError, "hidden"),
-    (_bad(weight=torch.ones(16, 8, device="meta")), ValueError, "weight"),
-], ids=["hidden-3d", "weight-d", "weight-1d", "weight-empty", "weight-dtype", "hidden-int",
-        "target-shape", "target-float", "target-range", "target-list", "reduction",
-        "ignore_index", "hidden-device", "weight-device"])
+@pytest.mark.parametrize(
+    "call, exc, words",
+    [
+        (_bad(hidden=randn(2, 4, 8)), ValueError, "hidden"),
+        (_bad(weight=randn(16, 7)), ValueError, "weight"),
+        (_bad(weight=randn(16)), ValueError, "weight"),
+        (_bad(weight=randn(0, 8)), ValueError, "weight"),
+        (_bad(weight=randn(16, 8, dtype=torch.float16)), TypeError, "weight"),
+        (_bad(hidden=torch.ones(4, 8, dtype=torch.int64)), TypeError, "hidden"),
+        (_bad(target=torch.tensor([0, 1, 2])), ValueError, "target"),
+        (_bad(target=torch.tensor([0.0, 1, 2, 3])), TypeError, "target"),
+        (_bad(target=torch.tensor([0, 1, 2, 16])), ValueError, "target"),
+        (_bad(target=[0, 1, 2, 3]), TypeError, "target"),
+        (_bad(reduction="avg"), ValueError, "reduction"),
+        (_bad(ignore_index=1.5), TypeError, "ignore_index"),
+        (_bad(hidden=torch.ones(4, 8, device="meta")), ValueError, "hidden"),
+        (_bad(weight=torch.ones(16, 8, device="meta")), ValueError, "weight"),
+    ],
+    ids=[
+        "hidden-3d",
+        "weight-d",
+        "weight-1d",
+        "weight-empty",
+        "weight-dtype",
+        "hidden-int",
+        "target-shape",
+        "target-float",
+        "target-range",
+        "target-list",
+        "reduction",
+        "ignore_index",
+        "hidden-device",
+        "weight-device",
+    ],
+)
 def test_bad_arguments_are_refused_before_any_product(monkeypatch, call, exc, words):
     assert_rejected_before_launch(monkeypatch, "linear_cross_entropy", call, exc, words)
 
@@ -230,7 +269,9 @@ def test_benchmark_case_runs_and_measures():
     while the materialized path's is the logits (so the measurement can tell them apart)."""
     from normbook.lab.bench import cases
 
-    rows = cases.measure_linear_cross_entropy(lambda f: 0.0, DEVICE, torch.float32, (64, 1000, 8))
+    rows = cases.measure_linear_cross_entropy(
+        lambda f: 0.0, DEVICE, torch.float32, (64, 1000, 8)
+    )
     ok = {r["provider"]: r for r in rows if r["status"] == "ok"}
     assert {"normbook", "F.linear + normbook.cross_entropy"} <= set(ok)
     assert ok["normbook"]["extra_over_logits"] <= 0.25

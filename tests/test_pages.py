@@ -15,15 +15,23 @@ laptop), in the light and the dark theme (tests/page_checks.py holds the measure
 
 import json
 
-import pytest
-
-from book_build import ROOT
 import page_checks
-from page_checks import (CONTRAST_JS, EQUATIONS_JS, FIGURE_TEXT_JS, FIGURES_LOOK_JS, PAGE_WIDTH_JS,
-                         SCROLLING_CODE_JS, set_theme_script)
+import pytest
+from book_build import ROOT
+from page_checks import (
+    CONTRAST_JS,
+    EQUATIONS_JS,
+    FIGURE_TEXT_JS,
+    FIGURES_LOOK_JS,
+    PAGE_WIDTH_JS,
+    SCROLLING_CODE_JS,
+    set_theme_script,
+)
 from test_html import CHROMIUM, NOTEBOOK_PAGES, PAGES, discard, load_page
 
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Chromium not installed (apt-get install chromium)")
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None, reason="Chromium not installed (apt-get install chromium)"
+)
 
 MIN_CONTRAST = 4.5
 MIN_FIGURE_TEXT_PX = 9.0
@@ -42,7 +50,11 @@ def open_view(browser, server, page_path, width=1366, theme="light"):  # noqa: F
 
 
 def views():
-    return [pytest.param(p, w, t, id=f"{p.split('/')[-1]}-{w}-{t}") for p in NOTEBOOK_PAGES for w, t in VIEWS]
+    return [
+        pytest.param(p, w, t, id=f"{p.split('/')[-1]}-{w}-{t}")
+        for p in NOTEBOOK_PAGES
+        for w, t in VIEWS
+    ]
 
 
 @pytest.mark.parametrize("page_path,width,theme", views())
@@ -52,8 +64,10 @@ def test_text_contrast(browser, server, page_path, width, theme):  # noqa: F811
         runs = page.evaluate(CONTRAST_JS, MIN_CONTRAST)
         assert runs["count"], f"{page_path}: no text measured"
         bad = runs["bad"]
-        assert not bad, f"{page_path} at {width} px, {theme}: {len(bad)} text runs below {MIN_CONTRAST}:1, " \
-                        f"worst {bad[:5]}"
+        assert not bad, (
+            f"{page_path} at {width} px, {theme}: {len(bad)} text runs below {MIN_CONTRAST}:1, "
+            f"worst {bad[:5]}"
+        )
     finally:
         page.context.close()
 
@@ -62,10 +76,14 @@ def test_text_contrast(browser, server, page_path, width, theme):  # noqa: F811
 def test_figures_are_sharp(browser, server, page_path):  # noqa: F811
     page, _ = open_view(browser, server, page_path)
     try:
-        blurry = page.evaluate("() => [...document.querySelectorAll('main .cell_output img')]"
-                               ".filter(i => !i.src.endsWith('.svg') && i.naturalWidth < 2 * i.clientWidth)"
-                               ".map(i => i.src)")
-        assert not blurry, f"{page_path}: raster figures with fewer than 2 pixels per CSS px: {blurry}"
+        blurry = page.evaluate(
+            "() => [...document.querySelectorAll('main .cell_output img')]"
+            ".filter(i => !i.src.endsWith('.svg') && i.naturalWidth < 2 * i.clientWidth)"
+            ".map(i => i.src)"
+        )
+        assert not blurry, (
+            f"{page_path}: raster figures with fewer than 2 pixels per CSS px: {blurry}"
+        )
     finally:
         page.context.close()
 
@@ -75,8 +93,12 @@ def test_figure_text_legible_on_a_phone(browser, server, page_path):  # noqa: F8
     page, _ = open_view(browser, server, page_path, 390)
     try:
         figures = page.evaluate(FIGURE_TEXT_JS)
-        small = [f for f in figures if f["texts"] and f["smallest_px"] < MIN_FIGURE_TEXT_PX]
-        assert not small, f"{page_path} at 390 px: figure text below {MIN_FIGURE_TEXT_PX} px: {small}"
+        small = [
+            f for f in figures if f["texts"] and f["smallest_px"] < MIN_FIGURE_TEXT_PX
+        ]
+        assert not small, (
+            f"{page_path} at 390 px: figure text below {MIN_FIGURE_TEXT_PX} px: {small}"
+        )
     finally:
         page.context.close()
 
@@ -99,9 +121,14 @@ def from_exempt_kernel_file(text: str) -> str | None:
 
 
 def test_long_line_exemptions_are_still_needed():
-    done = [n for n in KERNEL_FILES_WITH_LONG_LINES
-            if max(map(len, (ROOT / n).read_text().splitlines())) <= CODE_COLUMNS]
-    assert not done, f"{done} fit {CODE_COLUMNS} columns now: remove them from KERNEL_FILES_WITH_LONG_LINES"
+    done = [
+        n
+        for n in KERNEL_FILES_WITH_LONG_LINES
+        if max(map(len, (ROOT / n).read_text().splitlines())) <= CODE_COLUMNS
+    ]
+    assert not done, (
+        f"{done} fit {CODE_COLUMNS} columns now: remove them from KERNEL_FILES_WITH_LONG_LINES"
+    )
 
 
 @pytest.mark.parametrize("page_path", NOTEBOOK_PAGES)
@@ -111,11 +138,16 @@ def test_no_code_block_scrolls_at_desktop_width(browser, server, page_path):  # 
     size; the files with longer lines, until reformatted, are listed above)."""
     page, _ = open_view(browser, server, page_path, 1366)
     try:
-        wide = [w for w in page.evaluate(SCROLLING_CODE_JS)
-                if not (w["where"] == "output" and from_exempt_kernel_file(w["text"]))]
+        wide = [
+            w
+            for w in page.evaluate(SCROLLING_CODE_JS)
+            if not (w["where"] == "output" and from_exempt_kernel_file(w["text"]))
+        ]
         for w in wide:
             del w["text"]
-        assert not wide, f"{page_path} at 1366 px: {len(wide)} code blocks scroll sideways, e.g. {wide[:3]}"
+        assert not wide, (
+            f"{page_path} at 1366 px: {len(wide)} code blocks scroll sideways, e.g. {wide[:3]}"
+        )
     finally:
         page.context.close()
 
@@ -128,8 +160,9 @@ def test_no_page_is_wider_than_a_phone(browser, server, page_path):  # noqa: F81
     try:
         page.wait_for_timeout(200)
         info = page.evaluate(PAGE_WIDTH_JS)
-        assert info["over"] <= 1 and not info["out"], \
+        assert info["over"] <= 1 and not info["out"], (
             f"{page_path} at 390 px: page {info['over']} px wider than the screen; sticking out: {info['out']}"
+        )
     finally:
         page.context.close()
 
@@ -140,11 +173,20 @@ def test_wide_equations_scroll_with_a_cue(browser, server, page_path):  # noqa: 
     try:
         if page.locator("main div.math").count() == 0:
             pytest.skip(f"{page_path}: no display equation")
-        page.wait_for_function("() => document.querySelectorAll('main div.math mjx-container').length"
-                               " === document.querySelectorAll('main div.math').length", timeout=30000)
+        page.wait_for_function(
+            "() => document.querySelectorAll('main div.math mjx-container').length"
+            " === document.querySelectorAll('main div.math').length",
+            timeout=30000,
+        )
         page.wait_for_timeout(300)  # book.js looks again once MathJax is done
-        bad = [e for e in page.evaluate(EQUATIONS_JS) if e["wide"] and not (e["scrolls"] and e["cue"])]
-        assert not bad, f"{page_path} at 390 px: equations cut off or scrolling without a cue: {bad[:4]}"
+        bad = [
+            e
+            for e in page.evaluate(EQUATIONS_JS)
+            if e["wide"] and not (e["scrolls"] and e["cue"])
+        ]
+        assert not bad, (
+            f"{page_path} at 390 px: equations cut off or scrolling without a cue: {bad[:4]}"
+        )
     finally:
         page.context.close()
 
@@ -161,7 +203,9 @@ def test_dark_mode_figures_are_drawn_alike(browser, server, page_path):  # noqa:
         if not looks:
             pytest.skip(f"{page_path}: no figure shown")
         kinds = {(f["filter"], f["background"], f["padding"]) for f in looks}
-        assert len(kinds) == 1, f"{page_path}, dark: figures drawn differently: {sorted(kinds)}"
+        assert len(kinds) == 1, (
+            f"{page_path}, dark: figures drawn differently: {sorted(kinds)}"
+        )
         assert next(iter(kinds))[0] != "none", f"{page_path}, dark: figures not dimmed"
     finally:
         page.context.close()
@@ -172,18 +216,24 @@ def test_no_raw_markdown_table(built_html, page_path):
     """A markdown table printed by a cell (normbook.lab.inspector) is rendered as a table, not shown as
     lines of pipes."""
     raw = page_checks.raw_pipe_tables((built_html / f"{page_path}.html").read_text())
-    assert not raw, f"{page_path}: {len(raw)} Markdown tables shown as text, e.g. {raw[:2]}"
+    assert not raw, (
+        f"{page_path}: {len(raw)} Markdown tables shown as text, e.g. {raw[:2]}"
+    )
 
 
 @pytest.mark.parametrize("page_path", NOTEBOOK_PAGES)
 def test_no_output_split_into_boxes_of_one_stream(built_html, page_path):
     """A cell's printed lines sit in one box (per stream), however many messages carried them."""
     split = page_checks.split_streams((built_html / f"{page_path}.html").read_text())
-    assert not split, f"{page_path}: {len(split)} printed outputs split into adjacent boxes, at {split[:3]}"
+    assert not split, (
+        f"{page_path}: {len(split)} printed outputs split into adjacent boxes, at {split[:3]}"
+    )
 
 
 @pytest.mark.parametrize("page_path", NOTEBOOK_PAGES)
-def test_tables_pad_cells_keep_numbers_whole_and_cue_scrolling(browser, server, page_path):  # noqa: F811
+def test_tables_pad_cells_keep_numbers_whole_and_cue_scrolling(
+    browser, server, page_path
+):  # noqa: F811
     page, _ = open_view(browser, server, page_path, 390)
     try:
         info = page.evaluate("""() => [...document.querySelectorAll('main table')].map(t => {
@@ -211,9 +261,15 @@ def test_tables_pad_cells_keep_numbers_whole_and_cue_scrolling(browser, server, 
         if not info:
             pytest.skip(f"{page_path}: no table")
         for i, t in enumerate(info):
-            assert t["pad"] >= 8, f"{page_path} table {i}: cells padded {t['pad']} px in all (< 8)"
-            assert not t["broken"], f"{page_path} table {i}: numbers broken across lines: {t['broken']}"
-            assert not t["wide"] or t["cue"], f"{page_path} table {i}: scrolls at 390 px without a cue"
+            assert t["pad"] >= 8, (
+                f"{page_path} table {i}: cells padded {t['pad']} px in all (< 8)"
+            )
+            assert not t["broken"], (
+                f"{page_path} table {i}: numbers broken across lines: {t['broken']}"
+            )
+            assert not t["wide"] or t["cue"], (
+                f"{page_path} table {i}: scrolls at 390 px without a cue"
+            )
     finally:
         page.context.close()
 
@@ -232,32 +288,53 @@ def test_download_button_saves_a_notebook(browser, server, page_path):  # noqa: 
         download = info.value
         assert download.suggested_filename == page_path.split("/")[-1] + ".ipynb"
         nb = json.loads(open(download.path()).read())
-        assert nb["nbformat"] == 4 and nb["cells"], f"{page_path}: the download is not a notebook"
+        assert nb["nbformat"] == 4 and nb["cells"], (
+            f"{page_path}: the download is not a notebook"
+        )
         # the Colab edition (plain Jupyter Markdown), not the MyST source that Jupyter shows raw
-        markdown = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
-        assert "**Colab edition**" in markdown, f"{page_path}: the download is not the Colab edition"
-        assert "{doc}`" not in markdown and "{glue:text}`" not in markdown, f"{page_path}: MyST left"
+        markdown = "\n".join(
+            "".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown"
+        )
+        assert "**Colab edition**" in markdown, (
+            f"{page_path}: the download is not the Colab edition"
+        )
+        assert "{doc}`" not in markdown and "{glue:text}`" not in markdown, (
+            f"{page_path}: MyST left"
+        )
     finally:
         page.context.close()
 
 
 def interactive_pages():
     """Chapters with an interactive figure (a cell calling interactive_figure)."""
-    return [p for p in NOTEBOOK_PAGES if "interactive_figure(" in (ROOT / f"{p}.ipynb").read_text()]
+    return [
+        p
+        for p in NOTEBOOK_PAGES
+        if "interactive_figure(" in (ROOT / f"{p}.ipynb").read_text()
+    ]
 
 
 @pytest.mark.changes_page  # it moves sliders: after the page's other tests, then discarded
 @pytest.mark.parametrize("page_path", interactive_pages())
-def test_interactive_figures_work_offline_and_their_sliders_move_the_data(browser, server, page_path):  # noqa: F811
+def test_interactive_figures_work_offline_and_their_sliders_move_the_data(
+    browser, server, page_path
+):  # noqa: F811
     page, blocked = open_view(browser, server, page_path, 390)
     try:
         figs = page.locator("main .plotly-graph-div")
         if figs.count() == 0:
             pytest.skip(f"{page_path}: not executed in this session (no figure output)")
-        page.wait_for_function("() => [...document.querySelectorAll('main .plotly-graph-div')]"
-                               ".every(d => d.data && d._fullLayout)", timeout=30000)
-        src = page.evaluate("() => [...document.scripts].map(s => s.src).filter(s => s.includes('plotly'))")
-        assert src and all(s.startswith(server) for s in src), f"plotly.js not served by the book: {src}"
+        page.wait_for_function(
+            "() => [...document.querySelectorAll('main .plotly-graph-div')]"
+            ".every(d => d.data && d._fullLayout)",
+            timeout=30000,
+        )
+        src = page.evaluate(
+            "() => [...document.scripts].map(s => s.src).filter(s => s.includes('plotly'))"
+        )
+        assert src and all(s.startswith(server) for s in src), (
+            f"plotly.js not served by the book: {src}"
+        )
         for k in range(figs.count()):
             fig = figs.nth(k)
             fig.scroll_into_view_if_needed()
@@ -269,10 +346,16 @@ def test_interactive_figures_work_offline_and_their_sliders_move_the_data(browse
             active = fig.evaluate("d => d.layout.sliders[0].active")
             n = fig.evaluate("d => d.layout.sliders[0].steps.length")
             target = 0 if active > n // 2 else n - 1
-            page.mouse.click(box["x"] + 4 + (box["width"] - 8) * target / max(1, n - 1), box["y"] + box["height"] / 2)
-            page.wait_for_function("([d, b]) => JSON.stringify(d.data.map(t => [Array.from(t.x || []), "
-                                   "Array.from(t.y || [])])) !== b", arg=[fig.element_handle(), before],
-                                   timeout=5000)
+            page.mouse.click(
+                box["x"] + 4 + (box["width"] - 8) * target / max(1, n - 1),
+                box["y"] + box["height"] / 2,
+            )
+            page.wait_for_function(
+                "([d, b]) => JSON.stringify(d.data.map(t => [Array.from(t.x || []), "
+                "Array.from(t.y || [])])) !== b",
+                arg=[fig.element_handle(), before],
+                timeout=5000,
+            )
             assert fig.evaluate(data) != before
         page.wait_for_timeout(500)
         assert not blocked, f"{page_path}: requests left the page: {blocked}"
@@ -291,8 +374,11 @@ def test_a_test_that_changes_its_page_runs_after_the_pages_other_tests():
 
     def item(page, changes=False):
         marks = {"changes_page": pytest.mark.changes_page.mark} if changes else {}
-        it = types.SimpleNamespace(callspec=types.SimpleNamespace(params={"page_path": page}),
-                                   fixturenames=["browser", "page_path"], name=page)
+        it = types.SimpleNamespace(
+            callspec=types.SimpleNamespace(params={"page_path": page}),
+            fixturenames=["browser", "page_path"],
+            name=page,
+        )
         it.get_closest_marker = lambda name: marks.get(name)
         it.add_marker = lambda mark: marks.setdefault(mark.name, mark)
         return it

@@ -18,9 +18,9 @@ import importlib
 
 import pytest
 import torch
-
 from backward_helpers import assert_grad_close
 from conftest import LOW_PRECISION, randn
+
 from normbook import DEVICE, qk_norm_rope
 from normbook import reference as ref
 
@@ -41,7 +41,12 @@ def run_backward(q, k, qw, kw, cos, sin, dq_out, dk_out):
     q, k, qw, kw = leaf(q), leaf(k), leaf(qw), leaf(kw)
     q_out, k_out = qk_norm_rope(q, k, qw, kw, cos, sin, EPS)
     torch.autograd.backward((q_out, k_out), (dq_out, dk_out))
-    return q.grad, k.grad, (None if qw is None else qw.grad), (None if kw is None else kw.grad)
+    return (
+        q.grad,
+        k.grad,
+        (None if qw is None else qw.grad),
+        (None if kw is None else kw.grad),
+    )
 
 
 def reference_grads(x, w, cos, sin, do):
@@ -85,6 +90,7 @@ def make(B, S, Hq, Hk, D, dtype, weight=True):
 
 # ------------------------------------------------------------------ gradcheck in float64
 
+
 @pytest.mark.parametrize("weight", [True, False])
 def test_gradcheck_float64(weight):
     """Finite differences against the analytic backward, every input that requires grad."""
@@ -101,6 +107,7 @@ def test_gradcheck_float64(weight):
 
 # ------------------------------------------------------------------ low precision vs the float64 reference
 
+
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
 @pytest.mark.parametrize("head_dim", [6, 64, 80, 128])
 def test_gradients_match_autograd_of_reference(dtype, head_dim, poison_empty):
@@ -111,7 +118,9 @@ def test_gradients_match_autograd_of_reference(dtype, head_dim, poison_empty):
     check(got, q, k, qw, kw, cos, sin, dq_out, dk_out, dtype)
 
 
-@pytest.mark.parametrize("n_heads, n_kv_heads", [(1, 1), (4, 1), (6, 3), (8, 2), (2, 4)])
+@pytest.mark.parametrize(
+    "n_heads, n_kv_heads", [(1, 1), (4, 1), (6, 3), (8, 2), (2, 4)]
+)
 def test_gqa_ratios(n_heads, n_kv_heads):
     """Every ratio of query to key heads (and more k heads than q heads, which the kernel allows)."""
     q, k, qw, kw, cos, sin = make(2, 3, n_heads, n_kv_heads, 16, torch.float32)
@@ -122,7 +131,10 @@ def test_gqa_ratios(n_heads, n_kv_heads):
 
 def test_without_weights_and_fp32_weights_with_bf16_activations():
     q, k, _, _, cos, sin = make(1, 4, 2, 1, 32, torch.bfloat16, weight=False)
-    dq_out, dk_out = randn(*q.shape, dtype=torch.bfloat16), randn(*k.shape, dtype=torch.bfloat16)
+    dq_out, dk_out = (
+        randn(*q.shape, dtype=torch.bfloat16),
+        randn(*k.shape, dtype=torch.bfloat16),
+    )
     got = run_backward(q, k, None, None, cos, sin, dq_out, dk_out)
     check(got, q, k, None, None, cos, sin, dq_out, dk_out, torch.bfloat16)
     qw, kw = randn(32), randn(32)  # fp32 weights: their gradients come back in fp32
@@ -133,29 +145,55 @@ def test_without_weights_and_fp32_weights_with_bf16_activations():
 
 # ------------------------------------------------------------------ layouts
 
+
 def test_views_of_a_fused_qkv_projection_and_broadcast_upstream_grads():
     """q, k as strided views of one qkv buffer; upstream grads with stride 0 (from .sum() and
     from an expand over the batch): each read in place, same bits as contiguous copies."""
     B, S, Hq, Hk, D = 2, 3, 4, 2, 32
     qkv = randn(B, S, (Hq + 2 * Hk) * D, dtype=torch.bfloat16).requires_grad_()
     q = qkv[..., : Hq * D].view(B, S, Hq, D)
-    k = qkv[..., Hq * D: (Hq + Hk) * D].view(B, S, Hk, D)
+    k = qkv[..., Hq * D : (Hq + Hk) * D].view(B, S, Hk, D)
     assert not q.is_contiguous()
     qw, kw = randn(D, dtype=torch.bfloat16), randn(D, dtype=torch.bfloat16)
     cos, sin = cos_sin(1, S, D, torch.bfloat16)  # a batch of 1, broadcast
-    dq_out = randn(1, S, Hq, D, dtype=torch.bfloat16).expand(B, S, Hq, D)  # stride 0 over batch
-    dk_out = torch.ones(1, dtype=torch.bfloat16, device=DEVICE).expand(B, S, Hk, D)  # all stride 0
+    dq_out = randn(1, S, Hq, D, dtype=torch.bfloat16).expand(
+        B, S, Hq, D
+    )  # stride 0 over batch
+    dk_out = torch.ones(1, dtype=torch.bfloat16, device=DEVICE).expand(
+        B, S, Hk, D
+    )  # all stride 0
     got = run_backward(q, k, qw, kw, cos, sin, dq_out, dk_out)
-    want = run_backward(q.contiguous(), k.contiguous(), qw, kw, cos.expand(B, S, D).contiguous(),
-                        sin.expand(B, S, D).contiguous(), dq_out.contiguous(), dk_out.contiguous())
+    want = run_backward(
+        q.contiguous(),
+        k.contiguous(),
+        qw,
+        kw,
+        cos.expand(B, S, D).contiguous(),
+        sin.expand(B, S, D).contiguous(),
+        dq_out.contiguous(),
+        dk_out.contiguous(),
+    )
     for g, w in zip(got, want):
         assert torch.equal(g, w)
-    check(got, q, k, qw, kw, cos.expand(B, S, D), sin.expand(B, S, D), dq_out, dk_out, torch.bfloat16)
+    check(
+        got,
+        q,
+        k,
+        qw,
+        kw,
+        cos.expand(B, S, D),
+        sin.expand(B, S, D),
+        dq_out,
+        dk_out,
+        torch.bfloat16,
+    )
     # Through the view: the gradient lands in qkv's q and k columns, v's columns get zeros.
     q_out, k_out = qk_norm_rope(q, k, qw, kw, cos, sin)
     torch.autograd.backward((q_out, k_out), (dq_out, dk_out))
     assert torch.equal(qkv.grad[..., : Hq * D].view(B, S, Hq, D), got[0])
-    assert torch.equal(qkv.grad[..., (Hq + Hk) * D:], torch.zeros_like(qkv.grad[..., (Hq + Hk) * D:]))
+    assert torch.equal(
+        qkv.grad[..., (Hq + Hk) * D :], torch.zeros_like(qkv.grad[..., (Hq + Hk) * D :])
+    )
 
 
 def test_loss_of_sum_gives_stride_zero_grads():
@@ -164,16 +202,32 @@ def test_loss_of_sum_gives_stride_zero_grads():
     q_out, k_out = qk_norm_rope(q, k, qw, kw, cos, sin, EPS)
     (q_out.sum() + 2 * k_out.sum()).backward()
     ones = torch.ones_like(q_out)
-    check((q.grad, k.grad, qw.grad, kw.grad), q, k, qw, kw, cos, sin, ones, 2 * torch.ones_like(k_out),
-          torch.float32)
+    check(
+        (q.grad, k.grad, qw.grad, kw.grad),
+        q,
+        k,
+        qw,
+        kw,
+        cos,
+        sin,
+        ones,
+        2 * torch.ones_like(k_out),
+        torch.float32,
+    )
 
 
 # ------------------------------------------------------------------ edge cases
 
-@pytest.mark.parametrize("shape_q, shape_k", [((0, 3, 2, 8), (0, 3, 1, 8)), ((1, 3, 0, 8), (1, 3, 2, 8))])
+
+@pytest.mark.parametrize(
+    "shape_q, shape_k", [((0, 3, 2, 8), (0, 3, 1, 8)), ((1, 3, 0, 8), (1, 3, 2, 8))]
+)
 def test_empty_inputs(shape_q, shape_k):
     """M = 0: empty dx, and weight gradients that are empty sums (zeros)."""
-    q, k = leaf(torch.randn(shape_q, device=DEVICE)), leaf(torch.randn(shape_k, device=DEVICE))
+    q, k = (
+        leaf(torch.randn(shape_q, device=DEVICE)),
+        leaf(torch.randn(shape_k, device=DEVICE)),
+    )
     qw, kw = leaf(torch.randn(8, device=DEVICE)), leaf(torch.randn(8, device=DEVICE))
     cos = torch.ones(shape_q[0], shape_q[1], 8, device=DEVICE)
     q_out, k_out = qk_norm_rope(q, k, qw, kw, cos, torch.zeros_like(cos))
@@ -187,13 +241,18 @@ def test_empty_inputs(shape_q, shape_k):
 def test_weight_gradients_are_deterministic():
     """Two runs, same bits: dγ is summed in a fixed order (no atomics), with several programs."""
     q, k, qw, kw, cos, sin = make(3, 8, 4, 2, 128, torch.bfloat16)
-    dq_out, dk_out = randn(*q.shape, dtype=torch.bfloat16), randn(*k.shape, dtype=torch.bfloat16)
+    dq_out, dk_out = (
+        randn(*q.shape, dtype=torch.bfloat16),
+        randn(*k.shape, dtype=torch.bfloat16),
+    )
     a = run_backward(q, k, qw, kw, cos, sin, dq_out, dk_out)
     b = run_backward(q, k, qw, kw, cos, sin, dq_out, dk_out)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
     cfg = qk_mod._backward_config(128)
-    assert qk_mod.num_partials(-(-q.shape[0] * q.shape[1] * q.shape[2] // cfg.BLOCK_M)) > 1
+    assert (
+        qk_mod.num_partials(-(-q.shape[0] * q.shape[1] * q.shape[2] // cfg.BLOCK_M)) > 1
+    )
 
 
 def test_only_the_inputs_that_require_grad_get_one():
@@ -224,12 +283,29 @@ def test_batch_invariance():
     """A sequence alone (batch 1) and inside a batch of three: identical bits for q', k' and the
     input gradients (tiles are chosen from head_dim alone, never from the number of rows)."""
     q, k, qw, kw, cos, sin = make(3, 5, 4, 2, 64, torch.bfloat16)
-    dq_out, dk_out = randn(*q.shape, dtype=torch.bfloat16), randn(*k.shape, dtype=torch.bfloat16)
+    dq_out, dk_out = (
+        randn(*q.shape, dtype=torch.bfloat16),
+        randn(*k.shape, dtype=torch.bfloat16),
+    )
     many = run_backward(q, k, qw, kw, cos, sin, dq_out, dk_out)
     outs = qk_norm_rope(q, k, qw, kw, cos, sin, EPS)
     for b in range(3):
-        one = run_backward(q[b:b + 1], k[b:b + 1], qw, kw, cos[b:b + 1], sin[b:b + 1],
-                           dq_out[b:b + 1], dk_out[b:b + 1])
-        assert torch.equal(one[0], many[0][b:b + 1]) and torch.equal(one[1], many[1][b:b + 1])
-        alone = qk_norm_rope(q[b:b + 1], k[b:b + 1], qw, kw, cos[b:b + 1], sin[b:b + 1], EPS)
-        assert torch.equal(alone[0], outs[0][b:b + 1]) and torch.equal(alone[1], outs[1][b:b + 1])
+        one = run_backward(
+            q[b : b + 1],
+            k[b : b + 1],
+            qw,
+            kw,
+            cos[b : b + 1],
+            sin[b : b + 1],
+            dq_out[b : b + 1],
+            dk_out[b : b + 1],
+        )
+        assert torch.equal(one[0], many[0][b : b + 1]) and torch.equal(
+            one[1], many[1][b : b + 1]
+        )
+        alone = qk_norm_rope(
+            q[b : b + 1], k[b : b + 1], qw, kw, cos[b : b + 1], sin[b : b + 1], EPS
+        )
+        assert torch.equal(alone[0], outs[0][b : b + 1]) and torch.equal(
+            alone[1], outs[1][b : b + 1]
+        )

@@ -5,10 +5,16 @@ import math
 
 import pytest
 import torch
+from conftest import (
+    LOW_PRECISION,
+    UNIT_ROUNDOFF,
+    assert_close_to_reference,
+    assert_rejected_before_launch,
+    randn,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import LOW_PRECISION, UNIT_ROUNDOFF, assert_close_to_reference, randn, assert_rejected_before_launch
 from normbook import DEVICE, rms_norm
 from normbook import reference as ref
 from normbook._config import rms_split
@@ -27,7 +33,9 @@ def test_matches_reference(dtype, n, poison_empty):
     w = randn(n, dtype=dtype)
     y = rms_norm(x, w, eps=1e-6)
     assert y.dtype == dtype and y.shape == x.shape
-    assert_close_to_reference(y, ref.rms_norm(x, w, 1e-6), dtype, weight_max=w.abs().max().item())
+    assert_close_to_reference(
+        y, ref.rms_norm(x, w, 1e-6), dtype, weight_max=w.abs().max().item()
+    )
 
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
@@ -61,7 +69,9 @@ def test_matches_hugging_face_qwen3_rmsnorm(dtype):
     # (sum order; rsqrt vs 1/sqrt), which can move x̂ by one ulp and the product by one more.
     ulp = 2 * UNIT_ROUNDOFF[dtype] * expected.double().abs() + 2.0**-24
     assert bool(((got.double() - expected.double()).abs() <= 2 * ulp).all())
-    assert (got == expected).float().mean().item() > 0.95  # and nearly all bit-identical
+    assert (
+        got == expected
+    ).float().mean().item() > 0.95  # and nearly all bit-identical
 
 
 def test_fp16_squares_do_not_overflow():
@@ -81,10 +91,12 @@ def test_hand_calculation():
 
 def test_strided_rows_are_used_in_place():
     base = randn(6, 1037, dtype=torch.float32)
-    x = base[:, 5:5 + 1000]  # row stride 1037, last dimension contiguous
+    x = base[:, 5 : 5 + 1000]  # row stride 1037, last dimension contiguous
     assert not x.is_contiguous()
     w = randn(1000)
-    assert_close_to_reference(rms_norm(x, w), ref.rms_norm(x, w), torch.float32, w.abs().max().item())
+    assert_close_to_reference(
+        rms_norm(x, w), ref.rms_norm(x, w), torch.float32, w.abs().max().item()
+    )
     x3 = randn(3, 8, 70)[:, ::2, 3:67]  # strided leading dimensions too
     assert_close_to_reference(rms_norm(x3), ref.rms_norm(x3), torch.float32)
 
@@ -109,7 +121,9 @@ def test_nan_and_inf_stay_in_their_row(n):
     x[2, 0] = float("inf")
     y = rms_norm(x)
     assert torch.isnan(y[1]).all()  # NaN poisons its own row's statistics
-    assert torch.isnan(y[2, 0]) and (y[2, 1:] == 0).all()  # 1/sqrt(inf) = 0: inf·0 = NaN, the rest 0
+    assert (
+        torch.isnan(y[2, 0]) and (y[2, 1:] == 0).all()
+    )  # 1/sqrt(inf) = 0: inf·0 = NaN, the rest 0
     assert torch.isfinite(y[[0, 3]]).all()  # and nothing leaks into the other rows
     assert_close_to_reference(y, ref.rms_norm(x), torch.float32)
 
@@ -126,8 +140,11 @@ def test_deterministic():
 
 @settings(max_examples=25, deadline=None)
 @given(
-    m=st.integers(1, 4), n=st.integers(1, 300),
-    log_scale=st.floats(-3, 3), a=st.floats(0.01, 100), seed=st.integers(0, 2**31 - 1),
+    m=st.integers(1, 4),
+    n=st.integers(1, 300),
+    log_scale=st.floats(-3, 3),
+    a=st.floats(0.01, 100),
+    seed=st.integers(0, 2**31 - 1),
 )
 def test_property_scale_invariance_and_unit_rms(m, n, log_scale, a, seed):
     """For eps negligible against the mean square: y(a·x) = y(x) for a > 0, and mean(y²) = 1."""
@@ -135,10 +152,16 @@ def test_property_scale_invariance_and_unit_rms(m, n, log_scale, a, seed):
     x = randn(m, n, scale=10.0**log_scale, generator=g)
     y = rms_norm(x, eps=0.0)
     torch.testing.assert_close(rms_norm(a * x, eps=0.0), y, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close((y.double() ** 2).mean(-1), torch.ones(m, dtype=torch.float64), rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        (y.double() ** 2).mean(-1),
+        torch.ones(m, dtype=torch.float64),
+        rtol=1e-5,
+        atol=0,
+    )
 
 
 # ------------------------------------------------------------------ bad arguments, before any launch
+
 
 @pytest.mark.parametrize(
     "call, exc, words",
@@ -146,16 +169,44 @@ def test_property_scale_invariance_and_unit_rms(m, n, log_scale, a, seed):
         (lambda: rms_norm([1.0, 2.0]), TypeError, "x must be a torch.Tensor"),
         (lambda: rms_norm(torch.ones(3, 4, dtype=torch.int32)), TypeError, "x must be"),
         (lambda: rms_norm(torch.tensor(1.0)), ValueError, "at least one dimension"),
-        (lambda: rms_norm(torch.ones(3, 4), torch.ones(5)), ValueError, "weight must have shape (4,)"),
-        (lambda: rms_norm(torch.ones(3, 4), torch.ones(4, 1)), ValueError, "weight must have shape"),
-        (lambda: rms_norm(torch.ones(3, 4), torch.ones(4, dtype=torch.int64)), TypeError, "weight must be"),
-        (lambda: rms_norm(torch.ones(3, 4), "w"), TypeError, "weight must be a torch.Tensor"),
-        (lambda: rms_norm(torch.ones(3, 4), eps=-1e-6), ValueError, "eps must be finite and >= 0"),
+        (
+            lambda: rms_norm(torch.ones(3, 4), torch.ones(5)),
+            ValueError,
+            "weight must have shape (4,)",
+        ),
+        (
+            lambda: rms_norm(torch.ones(3, 4), torch.ones(4, 1)),
+            ValueError,
+            "weight must have shape",
+        ),
+        (
+            lambda: rms_norm(torch.ones(3, 4), torch.ones(4, dtype=torch.int64)),
+            TypeError,
+            "weight must be",
+        ),
+        (
+            lambda: rms_norm(torch.ones(3, 4), "w"),
+            TypeError,
+            "weight must be a torch.Tensor",
+        ),
+        (
+            lambda: rms_norm(torch.ones(3, 4), eps=-1e-6),
+            ValueError,
+            "eps must be finite and >= 0",
+        ),
         (lambda: rms_norm(torch.ones(3, 4), eps=float("nan")), ValueError, "eps"),
         (lambda: rms_norm(torch.ones(3, 4), eps=float("inf")), ValueError, "eps"),
-        (lambda: rms_norm(torch.ones(3, 4), eps="1e-6"), TypeError, "eps must be a real number"),
+        (
+            lambda: rms_norm(torch.ones(3, 4), eps="1e-6"),
+            TypeError,
+            "eps must be a real number",
+        ),
         (lambda: rms_norm(torch.ones(3, 4), eps=True), TypeError, "eps"),
-        (lambda: rms_norm(torch.ones(3, 4), torch.ones(4, device="meta")), ValueError, "weight is on meta"),
+        (
+            lambda: rms_norm(torch.ones(3, 4), torch.ones(4, device="meta")),
+            ValueError,
+            "weight is on meta",
+        ),
         (lambda: rms_norm(torch.ones(3, 4, device="meta")), ValueError, "x is on meta"),
     ],
 )
@@ -165,8 +216,11 @@ def test_bad_arguments_raise_clear_errors(call, exc, words, monkeypatch):
 
 # ------------------------------------------------------------------ rows split over programs
 
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_split_rows_match_reference_and_do_not_depend_on_their_batch(dtype, poison_empty):
+def test_split_rows_match_reference_and_do_not_depend_on_their_batch(
+    dtype, poison_empty
+):
     """8200 elements, past the single-block limit: the forward splits each row over three
     blocks of 4096 (the last holds 8) in two launches. The last 8 values are 40 times the
     others, so they carry most of the sum of squares: a merge that dropped the last block
@@ -183,11 +237,15 @@ def test_split_rows_match_reference_and_do_not_depend_on_their_batch(dtype, pois
     w = randn(n, dtype=dtype)
     batch = rms_module._forward(x, w, 1e-6, split=True)
     alone = rms_module._forward(x[1:2], w, 1e-6, split=True)
-    assert_close_to_reference(batch[0], ref.rms_norm(x, w, 1e-6), dtype,
-                              weight_max=w.abs().max().item())
-    assert torch.equal(alone[0][0], batch[0][1]) and torch.equal(alone[1][0], batch[1][1])
+    assert_close_to_reference(
+        batch[0], ref.rms_norm(x, w, 1e-6), dtype, weight_max=w.abs().max().item()
+    )
+    assert torch.equal(alone[0][0], batch[0][1]) and torch.equal(
+        alone[1][0], batch[1][1]
+    )
     # The single-program loop (what rms_norm launches for such rows) agrees within rounding.
     y = rms_norm(x, w, eps=1e-6)
     assert torch.equal(y, rms_module._forward(x, w, 1e-6, split=False)[0])
-    assert_close_to_reference(y, ref.rms_norm(x, w, 1e-6), dtype,
-                              weight_max=w.abs().max().item())
+    assert_close_to_reference(
+        y, ref.rms_norm(x, w, 1e-6), dtype, weight_max=w.abs().max().item()
+    )

@@ -5,15 +5,17 @@ import importlib
 
 import pytest
 import torch
+from backward_helpers import NORM_BACKWARD_CASES, assert_grad_close
+from conftest import LOW_PRECISION, randn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backward_helpers import NORM_BACKWARD_CASES, assert_grad_close
-from conftest import LOW_PRECISION, randn
-from normbook import rms_norm
 from normbook import reference as ref
+from normbook import rms_norm
 
-rms_mod = importlib.import_module("normbook.rms_norm")  # the module, not the function of the same name
+rms_mod = importlib.import_module(
+    "normbook.rms_norm"
+)  # the module, not the function of the same name
 
 
 def rows_for(n):
@@ -88,7 +90,9 @@ def test_gradcheck_float64_wide_rows_fast_mode():
     x = randn(2, 8200, dtype=torch.float64).requires_grad_()
     w = randn(8200, dtype=torch.float64).requires_grad_()
     assert rms_mod.rms_config(8200, 8, backward=True).SINGLE_BLOCK is False
-    assert torch.autograd.gradcheck(lambda a, b: rms_norm(a, b, 1e-6), (x, w), fast_mode=True)
+    assert torch.autograd.gradcheck(
+        lambda a, b: rms_norm(a, b, 1e-6), (x, w), fast_mode=True
+    )
 
 
 def test_only_the_gradients_asked_for():
@@ -127,7 +131,9 @@ def test_strided_inputs_and_gradients():
     rms_norm(x, w).backward(dy)
     dx_ref, dw_ref, dx_scale, dw_scale = reference_grads(x, w, dy, 1e-6)
     assert_grad_close(base.grad[:, 5:1005], dx_ref, dx_scale, torch.float32, "dx")
-    assert torch.equal(base.grad[:, :5], torch.zeros(6, 5)) and torch.equal(base.grad[:, 1005:], torch.zeros(6, 32))
+    assert torch.equal(base.grad[:, :5], torch.zeros(6, 5)) and torch.equal(
+        base.grad[:, 1005:], torch.zeros(6, 32)
+    )
     assert_grad_close(w.grad, dw_ref, dw_scale, torch.float32, "dweight")
 
     xt = randn(64, 9).t().requires_grad_()  # stride(-1) == 9
@@ -146,7 +152,9 @@ def test_broadcast_upstream_gradient():
     assert_grad_close(w.grad, dw_ref, dw_scale, torch.float32, "dweight")
 
 
-@pytest.mark.parametrize("dtype, m, n", [(torch.bfloat16, 64, 300), (torch.float32, 9, 20000)])
+@pytest.mark.parametrize(
+    "dtype, m, n", [(torch.bfloat16, 64, 300), (torch.float32, 9, 20000)]
+)
 def test_dweight_is_bitwise_deterministic(dtype, m, n):
     """The two-stage reduction has a fixed order: repeated runs give the same bits. The shapes make
     every program handle several row tiles (64 rows) and take the wide-row path (20000 fp32)."""
@@ -228,7 +236,10 @@ def test_the_backward_cases_reach_every_path():
     for dt in LOW_PRECISION:
         size = torch.tensor([], dtype=dt).element_size()
         assert rms_config(1000, size, backward=True).SINGLE_BLOCK and (1000, dt) in rows
-        assert not rms_config(4097, size, backward=True).SINGLE_BLOCK and (4097, dt) in rows
+        assert (
+            not rms_config(4097, size, backward=True).SINGLE_BLOCK
+            and (4097, dt) in rows
+        )
     assert rms_split(262147, 4) and (262147, torch.float32) in rows
     for dt in (torch.float16, torch.bfloat16):  # their widest row: looped, not split
         assert (33001, dt) in rows and not rms_config(33001, 2).SINGLE_BLOCK

@@ -17,8 +17,8 @@ import importlib
 
 import pytest
 import torch
-
 from conftest import LOW_PRECISION, UNIT_ROUNDOFF, assert_close_to_reference, randn
+
 from normbook import DEVICE, fused_add_rms_norm, rms_norm
 from normbook import reference as ref
 
@@ -31,21 +31,27 @@ def assert_within_ulps(got, model, dtype, ulps, min_equal):
     tiny = 2.0**-24 if dtype == torch.float16 else 1e-30  # fp16 subnormal spacing
     bound = ulps * 2 * UNIT_ROUNDOFF[dtype] * model.abs() + ulps * tiny
     err = (got64 - model).abs()
-    assert bool((err <= bound).all()), f"max error {err.max().item():.3g} beyond {ulps} ulp"
+    assert bool((err <= bound).all()), (
+        f"max error {err.max().item():.3g} beyond {ulps} ulp"
+    )
     unequal = (got64 != model).sum().item()
     assert unequal <= max((1 - min_equal) * model.numel(), 3), unequal
 
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("n", [7, 1000, 20000])  # 20000 fp32 values pass 64 KB: the looped path
+@pytest.mark.parametrize(
+    "n", [7, 1000, 20000]
+)  # 20000 fp32 values pass 64 KB: the looped path
 def test_each_convention_matches_its_rounding_model(dtype, mode, n, poison_empty):
     x, w = randn(6, n, dtype=dtype, scale=3.0), randn(n, dtype=dtype, scale=0.3)
     y = rms_norm(x, w, 1e-6, offset=1.0, casting_mode=mode)
     model = ref.rms_norm_rounded(x.cpu(), w.cpu(), 1e-6, 1.0, mode)
     if dtype == torch.float32:
         # fp32 statistics err by as much as an fp32 ulp: RMSNorm's own tolerance applies
-        assert_close_to_reference(y, model, dtype, weight_max=1.0 + w.abs().max().item())
+        assert_close_to_reference(
+            y, model, dtype, weight_max=1.0 + w.abs().max().item()
+        )
     else:
         ulps = {"gemma": 1, "llama": 2, "none": 3}[mode]  # see the module docstring
         assert_within_ulps(y, model, dtype, ulps, 0.99)
@@ -67,7 +73,9 @@ def test_float64_conventions_all_equal_the_formula(mode):
     """In float64 every rounding is the identity: each convention is the formula itself."""
     x, w = randn(4, 300, dtype=torch.float64), randn(300, dtype=torch.float64)
     y = rms_norm(x, w, 1e-6, offset=0.5, casting_mode=mode)
-    torch.testing.assert_close(y.cpu(), ref.rms_norm(x, w, 1e-6, 0.5).cpu(), rtol=1e-13, atol=0)
+    torch.testing.assert_close(
+        y.cpu(), ref.rms_norm(x, w, 1e-6, 0.5).cpu(), rtol=1e-13, atol=0
+    )
 
 
 def test_none_overflows_in_fp16_like_the_naive_code():
@@ -77,7 +85,9 @@ def test_none_overflows_in_fp16_like_the_naive_code():
     naive = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
     assert (naive.cpu() == 0).all()
     assert torch.equal(rms_norm(x, casting_mode="none").cpu(), naive.cpu())
-    assert torch.allclose(rms_norm(x).float(), torch.ones(1, 64, device=DEVICE), atol=1e-3)
+    assert torch.allclose(
+        rms_norm(x).float(), torch.ones(1, 64, device=DEVICE), atol=1e-3
+    )
 
 
 def exact_statistics_rows(m, n, dtype):
@@ -88,7 +98,9 @@ def exact_statistics_rows(m, n, dtype):
     assert n % 16 == 0 and (mags**2).mean() == 4
     rows = []
     for _ in range(m):
-        row = mags.repeat(n // 16)[torch.randperm(n)] * torch.randint(0, 2, (n,)).mul(2).sub(1)
+        row = mags.repeat(n // 16)[torch.randperm(n)] * torch.randint(0, 2, (n,)).mul(
+            2
+        ).sub(1)
         rows.append(row * 2.0 ** torch.randint(-3, 4, ()).item())
     return torch.stack(rows).to(dtype).to(DEVICE)
 
@@ -155,7 +167,9 @@ def test_gradcheck_float64_with_offset():
     w = randn(7, dtype=torch.float64).requires_grad_()
     for mode in MODES:
         assert torch.autograd.gradcheck(
-            lambda a, b: rms_norm(a, b, 1e-6, offset=1.0, casting_mode=mode), (x, w))
+            lambda a, b: rms_norm(a, b, 1e-6, offset=1.0, casting_mode=mode),  # noqa: B023
+            (x, w),
+        )
 
 
 def ones(*shape):
@@ -176,7 +190,9 @@ def ones(*shape):
         ({"offset": 1.0, "weight": None}, ValueError, "offset=1.0 scales the weight"),
     ],
 )
-def test_bad_conventions_are_rejected_before_launch(fn, kwargs, exc, words, monkeypatch):
+def test_bad_conventions_are_rejected_before_launch(
+    fn, kwargs, exc, words, monkeypatch
+):
     from conftest import assert_rejected_before_launch
 
     kwargs = dict(kwargs)

@@ -14,8 +14,8 @@ import inspect
 
 import pytest
 import torch
-
 from conftest import randn
+
 from normbook import fused_add_rms_norm, rms_norm
 from normbook._config import rms_config
 from normbook._reduce import MAX_PARTIAL_SHARE
@@ -27,8 +27,9 @@ def test_configuration_does_not_depend_on_the_number_of_rows():
     assert "M" not in inspect.signature(rms_config).parameters
 
 
-@pytest.mark.parametrize("dtype, n", [(torch.bfloat16, 1000), (torch.float32, 20000),
-                                      (torch.float16, 256)])
+@pytest.mark.parametrize(
+    "dtype, n", [(torch.bfloat16, 1000), (torch.float32, 20000), (torch.float16, 256)]
+)
 def test_a_row_has_the_same_bits_in_any_batch(dtype, n):
     """Row 0 alone, and as row 13 of 24 (tiles of several rows for N = 256; the looped forward
     and the two-step backward for 20000 fp32 values), forward and backward, both functions."""
@@ -62,7 +63,8 @@ def test_partial_sum_traffic_is_at_most_five_percent(n, element_size, sms):
     The (G, N) fp32 partial sums are written once and read once (no read-modify-write)."""
     m = 2**26 // n
     cfg, G, col_blocks, essential, partial = rms_mod.backward_plan(
-        m, n, element_size, element_size, 4, sms=sms)
+        m, n, element_size, element_size, 4, sms=sms
+    )
     assert essential == 3 * m * n * element_size + 2 * n * element_size
     assert partial == 2 * G * n * 4
     assert partial <= MAX_PARTIAL_SHARE * essential, (G, partial / essential)

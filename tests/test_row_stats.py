@@ -30,17 +30,22 @@ import mpmath
 import numpy as np
 import pytest
 import torch
+from conftest import LOW_PRECISION, assert_rejected_before_launch, randn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import LOW_PRECISION, randn, assert_rejected_before_launch
 from normbook import DEVICE, layer_norm, row_variance
 from normbook import reference as ref
 from normbook._config import row_config
 
 SIZES = [1, 2, 7, 1000, 4097, 262147]
 METHODS = ["two_pass", "one_pass", "welford"]
-U_ACC = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float64: 2.0**-53}
+U_ACC = {
+    torch.float32: 2.0**-24,
+    torch.float16: 2.0**-11,
+    torch.bfloat16: 2.0**-8,
+    torch.float64: 2.0**-53,
+}
 
 
 def rows_for(n):
@@ -70,18 +75,26 @@ def check(x, method, acc_dtype=None, what=""):
     mean, var = row_variance(x, method, acc_dtype)
     acc = acc_dtype or (torch.float64 if x.dtype == torch.float64 else torch.float32)
     assert mean.shape == x.shape[:-1] and var.shape == x.shape[:-1]
-    assert mean.dtype == var.dtype == (torch.float64 if acc == torch.float64 else torch.float32)
+    assert (
+        mean.dtype
+        == var.dtype
+        == (torch.float64 if acc == torch.float64 else torch.float32)
+    )
     mu, v, dmu, dv = bounds(x, method, acc)
     got_mu, got_v = mean.double().cpu().reshape(-1), var.double().cpu().reshape(-1)
     err_mu, err_v = (got_mu - mu).abs(), (got_v - v).abs()
-    assert bool((err_mu <= dmu).all()), f"{what} {method} mean: error {err_mu.max():.3g} > {dmu[err_mu.argmax()]:.3g}"
+    assert bool((err_mu <= dmu).all()), (
+        f"{what} {method} mean: error {err_mu.max():.3g} > {dmu[err_mu.argmax()]:.3g}"
+    )
     worst = int(torch.argmax(err_v - dv))
     assert bool((err_v <= dv).all()), (
-        f"{what} {method} var: error {err_v[worst]:.3g} > bound {dv[worst]:.3g} at var {v[worst]:.6g}")
+        f"{what} {method} var: error {err_v[worst]:.3g} > bound {dv[worst]:.3g} at var {v[worst]:.6g}"
+    )
     return got_mu, got_v, v
 
 
 # ------------------------------------------------------------------ accuracy against the reference
+
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
@@ -112,7 +125,12 @@ def test_half_precision_inputs_with_an_offset(method, dtype):
 def test_wide_row_merges_blocks_exactly_like_chan():
     """A ramp plus an offset across 262147 elements: the blocks' means differ, Chan's δ² term must count."""
     n = 262147
-    x = (torch.linspace(-3, 3, n, dtype=torch.float64) + 500.0).float()[None, :].repeat(2, 1).to(DEVICE)
+    x = (
+        (torch.linspace(-3, 3, n, dtype=torch.float64) + 500.0)
+        .float()[None, :]
+        .repeat(2, 1)
+        .to(DEVICE)
+    )
     x[1] += randn(n) * 0.1
     for method in ("two_pass", "welford"):
         check(x, method, what="ramp")
@@ -125,7 +143,9 @@ def test_float64_is_accumulated_in_float64():
         assert mean.dtype == torch.float64
         torch.testing.assert_close(mean, ref.mean(x)[:, 0], rtol=1e-14, atol=0)
         if method != "one_pass":
-            torch.testing.assert_close(var, ref.variance(x)[:, 0], rtol=1e-7, atol=0)  # u64·κ·steps ≈ 1e-8
+            torch.testing.assert_close(
+                var, ref.variance(x)[:, 0], rtol=1e-7, atol=0
+            )  # u64·κ·steps ≈ 1e-8
 
 
 def test_float64_reference_agrees_with_mpmath():
@@ -140,6 +160,7 @@ def test_float64_reference_agrees_with_mpmath():
 
 
 # ------------------------------------------------------------------ the book's claim: one pass fails
+
 
 def test_one_pass_fails_where_the_book_says():
     """At κ = 1e4 in fp32 (u·κ² ≈ 6) the one-pass variance is noise: wrong by more than 100 % on
@@ -171,7 +192,9 @@ def test_negative_variance_makes_the_normalization_nan():
         assert abs(v.item() - exact) < 1e-3 * exact
     # The book's LayerNorm kernel uses a sound method: finite, and (x − μ)/σ = ∓1 here.
     y_ln = layer_norm(x, eps=0.0)
-    torch.testing.assert_close(y_ln.double().cpu(), ref.layer_norm(x, eps=0.0), rtol=1e-3, atol=0)
+    torch.testing.assert_close(
+        y_ln.double().cpu(), ref.layer_norm(x, eps=0.0), rtol=1e-3, atol=0
+    )
 
 
 def test_one_pass_in_low_precision_fails_at_small_offsets():
@@ -186,6 +209,7 @@ def test_one_pass_in_low_precision_fails_at_small_offsets():
 
 # ------------------------------------------------------------------ low-precision accumulation (emulated)
 
+
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("acc", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("n", [1, 7, 1000, 4097])
@@ -194,7 +218,9 @@ def test_low_precision_accumulation_within_bounds(method, acc, n):
     x = (randn(3, n) * 0.5 + 1.5).to(acc)
     mean, var = row_variance(x, method, acc)
     # Every result is a number of the accumulation format: rounding it there changes nothing.
-    assert torch.equal(mean.to(acc).float(), mean) and torch.equal(var.to(acc).float(), var)
+    assert torch.equal(mean.to(acc).float(), mean) and torch.equal(
+        var.to(acc).float(), var
+    )
     check(x, method, acc, what=f"acc {acc} N={n}")
 
 
@@ -203,7 +229,9 @@ def _next_pow2(n):
 
 
 def _round(v, dtype):
-    return np.float32(torch.tensor(float(v), dtype=torch.float32).to(dtype).float().item())
+    return np.float32(
+        torch.tensor(float(v), dtype=torch.float32).to(dtype).float().item()
+    )
 
 
 def _tree_sum(vals, dtype):
@@ -211,34 +239,48 @@ def _tree_sum(vals, dtype):
     vals = list(vals) + [np.float32(0.0)] * (_next_pow2(len(vals)) - len(vals))
     while len(vals) > 1:
         h = len(vals) // 2
-        vals = [_round(np.float32(a) + np.float32(b), dtype) for a, b in zip(vals[:h], vals[h:])]
+        vals = [
+            _round(np.float32(a) + np.float32(b), dtype)
+            for a, b in zip(vals[:h], vals[h:])
+        ]
     return vals[0]
 
 
 @pytest.mark.parametrize("acc", [torch.float16, torch.bfloat16])
 def test_emulation_rounds_every_intermediate(acc):
-    """"Accumulate in D" = round every intermediate to D: the kernels agree bit for bit with a
+    """ "Accumulate in D" = round every intermediate to D: the kernels agree bit for bit with a
     scalar numpy emulation of the same operations in the same order."""
     x = (randn(1, 6) * 0.3 + 3.0).to(acc)
     xs = [np.float32(v) for v in x[0].float().tolist()]
     n = len(xs)
     mean = _round(_tree_sum(xs, acc) / np.float32(n), acc)
     d = [_round(v - mean, acc) for v in xs]
-    var_two = _round(_tree_sum([_round(e * e, acc) for e in d], acc) / np.float32(n), acc)
+    var_two = _round(
+        _tree_sum([_round(e * e, acc) for e in d], acc) / np.float32(n), acc
+    )
     ms = _round(_tree_sum([_round(v * v, acc) for v in xs], acc) / np.float32(n), acc)
     var_one = _round(ms - _round(mean * mean, acc), acc)
     for method, expected in (("two_pass", var_two), ("one_pass", var_one)):
         m, v = row_variance(x, method, acc)
-        assert m.item() == mean and v.item() == expected, (method, m.item(), mean, v.item(), expected)
+        assert m.item() == mean and v.item() == expected, (
+            method,
+            m.item(),
+            mean,
+            v.item(),
+            expected,
+        )
 
 
 # ------------------------------------------------------------------ shapes, layouts, special values
+
 
 def test_population_variance_not_sample():
     x = torch.tensor([[1.0, 2.0, 3.0, 4.0]], device=DEVICE)
     for method in METHODS:
         mean, var = row_variance(x, method)
-        assert mean.item() == 2.5 and var.item() == 1.25  # torch.var(x) would say 5/3 (n − 1)
+        assert (
+            mean.item() == 2.5 and var.item() == 1.25
+        )  # torch.var(x) would say 5/3 (n − 1)
     assert torch.var(x, correction=0).item() == 1.25
 
 
@@ -256,7 +298,9 @@ def test_single_element_rows_have_zero_variance():
     for method in ("two_pass", "welford"):
         mean, var = row_variance(x, method)
         assert torch.equal(mean, x[:, 0]) and torch.equal(var, torch.zeros_like(var))
-    check(x, "one_pass", what="n = 1")  # fl(x²) − x·x: 0, or one rounding error where a GPU fuses it
+    check(
+        x, "one_pass", what="n = 1"
+    )  # fl(x²) − x·x: 0, or one rounding error where a GPU fuses it
 
 
 def test_empty_inputs():
@@ -266,7 +310,11 @@ def test_empty_inputs():
             assert mean.shape == var.shape == shape[:-1] and mean.numel() == 0
         for shape in [(3, 0), (0,)]:  # rows with no elements: mean 0/0, as torch.mean
             mean, var = row_variance(torch.empty(shape, device=DEVICE), method)
-            assert mean.shape == shape[:-1] and torch.isnan(mean).all() and torch.isnan(var).all()
+            assert (
+                mean.shape == shape[:-1]
+                and torch.isnan(mean).all()
+                and torch.isnan(var).all()
+            )
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -277,7 +325,9 @@ def test_nan_and_inf_stay_in_their_row(method, n):
     x[2, 0] = float("inf")
     mean, var = row_variance(x, method)
     assert torch.isnan(mean[1]) and torch.isnan(var[1])
-    assert not torch.isfinite(mean[2]) and torch.isnan(var[2])  # inf − inf: as the float64 reference
+    assert not torch.isfinite(mean[2]) and torch.isnan(
+        var[2]
+    )  # inf − inf: as the float64 reference
     assert torch.isnan(ref.variance(x)[2, 0])
     check(x[[0, 3]], method, what="clean rows")
     torch.testing.assert_close(var[[0, 3]], row_variance(x[[0, 3]], method)[1])
@@ -291,8 +341,13 @@ def test_deterministic():
 
 
 @settings(max_examples=20, deadline=None)
-@given(m=st.integers(1, 3), n=st.integers(1, 300), log_offset=st.floats(-2, 5),
-       log_scale=st.floats(-3, 3), seed=st.integers(0, 2**31 - 1))
+@given(
+    m=st.integers(1, 3),
+    n=st.integers(1, 300),
+    log_offset=st.floats(-2, 5),
+    log_scale=st.floats(-3, 3),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_property_every_method_within_its_bound(m, n, log_offset, log_scale, seed):
     g = torch.Generator().manual_seed(seed)
     scale = 10.0**log_scale
@@ -303,20 +358,54 @@ def test_property_every_method_within_its_bound(m, n, log_offset, log_scale, see
 
 # ------------------------------------------------------------------ bad arguments, before any launch
 
+
 @pytest.mark.parametrize(
     "call, exc, words",
     [
         (lambda: row_variance([1.0, 2.0]), TypeError, "x must be a torch.Tensor"),
-        (lambda: row_variance(torch.ones(3, 4, dtype=torch.int32)), TypeError, "x must be"),
+        (
+            lambda: row_variance(torch.ones(3, 4, dtype=torch.int32)),
+            TypeError,
+            "x must be",
+        ),
         (lambda: row_variance(torch.tensor(1.0)), ValueError, "at least one dimension"),
-        (lambda: row_variance(torch.ones(3, 4, device="meta")), ValueError, "x is on meta"),
-        (lambda: row_variance(torch.ones(3, 4), "three_pass"), ValueError, "method must be one of"),
-        (lambda: row_variance(torch.ones(3, 4), 2), TypeError, "method must be a string"),
-        (lambda: row_variance(torch.ones(3, 4), method=None), TypeError, "method must be a string"),
-        (lambda: row_variance(torch.ones(3, 4), acc_dtype="float16"), TypeError, "acc_dtype must be a torch.dtype"),
-        (lambda: row_variance(torch.ones(3, 4), acc_dtype=torch.int32), ValueError, "acc_dtype must be float16"),
-        (lambda: row_variance(torch.ones(3, 4, dtype=torch.float64), acc_dtype=torch.float32), ValueError,
-         "narrower than x's float64"),
+        (
+            lambda: row_variance(torch.ones(3, 4, device="meta")),
+            ValueError,
+            "x is on meta",
+        ),
+        (
+            lambda: row_variance(torch.ones(3, 4), "three_pass"),
+            ValueError,
+            "method must be one of",
+        ),
+        (
+            lambda: row_variance(torch.ones(3, 4), 2),
+            TypeError,
+            "method must be a string",
+        ),
+        (
+            lambda: row_variance(torch.ones(3, 4), method=None),
+            TypeError,
+            "method must be a string",
+        ),
+        (
+            lambda: row_variance(torch.ones(3, 4), acc_dtype="float16"),
+            TypeError,
+            "acc_dtype must be a torch.dtype",
+        ),
+        (
+            lambda: row_variance(torch.ones(3, 4), acc_dtype=torch.int32),
+            ValueError,
+            "acc_dtype must be float16",
+        ),
+        (
+            lambda: row_variance(
+                torch.ones(3, 4, dtype=torch.float64), acc_dtype=torch.float32
+            ),
+            ValueError,
+            "narrower than x's float64",
+        ),
     ],
 )
 def test_bad_arguments_raise_clear_errors(call, exc, words, monkeypatch):
@@ -327,11 +416,18 @@ def test_input_that_requires_grad_is_refused_not_detached(monkeypatch):
     """row_variance has no backward (by design, see its docstring): with grad mode on, an input
     that requires grad gets a clear error before any launch, never statistics without a grad_fn."""
     x = randn(3, 16).requires_grad_()
-    assert_rejected_before_launch(monkeypatch, "row_stats", lambda: row_variance(x), ValueError,
-                                  "x requires grad, but row_variance is not differentiable")
+    assert_rejected_before_launch(
+        monkeypatch,
+        "row_stats",
+        lambda: row_variance(x),
+        ValueError,
+        "x requires grad, but row_variance is not differentiable",
+    )
     monkeypatch.undo()
     with torch.no_grad():
         mean, var = row_variance(x)
-    torch.testing.assert_close(var, x.detach().var(-1, correction=0), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        var, x.detach().var(-1, correction=0), rtol=1e-5, atol=1e-6
+    )
     mean, var = row_variance(x.detach())
     assert mean.grad_fn is None and not x.detach().requires_grad

@@ -15,11 +15,10 @@ import math
 import mpmath
 import pytest
 import torch
-
 from conftest import LOW_PRECISION, assert_rejected_before_launch
-from normbook import DEVICE, sample
+
+from normbook import DEVICE, sample, sampling
 from normbook import reference as ref
-from normbook import sampling
 
 ALPHA = 1e-3
 DRAWS = 8192
@@ -33,7 +32,11 @@ def chi_square(draws, probs):
     support = probs > 0
     stat = (((counts - expected) ** 2) / expected)[support].sum().item()
     df = int(support.sum()) - 1
-    pvalue = float(mpmath.gammainc(df / 2, stat / 2, mpmath.inf, regularized=True)) if df else 1.0
+    pvalue = (
+        float(mpmath.gammainc(df / 2, stat / 2, mpmath.inf, regularized=True))
+        if df
+        else 1.0
+    )
     return stat, df, pvalue, int(counts[~support].sum())
 
 
@@ -53,7 +56,10 @@ CONFIGS = [
 ]
 
 
-CASES = [(kw, torch.float32) for kw in CONFIGS] + [(CONFIGS[-1], torch.float16), (CONFIGS[-1], torch.bfloat16)]
+CASES = [(kw, torch.float32) for kw in CONFIGS] + [
+    (CONFIGS[-1], torch.float16),
+    (CONFIGS[-1], torch.bfloat16),
+]
 
 
 @pytest.mark.parametrize("kw, dtype", CASES, ids=lambda v: str(v).replace("torch.", ""))
@@ -92,16 +98,25 @@ def kept_by_kernel(x, block_n=None, **kw):
     """The kernel's kept set, from the threshold key it stores: key(z) >= tau."""
     x2d = x.reshape(-1, x.shape[-1])
     rowmax = x2d.amax(-1)
-    _, tau = sampling._launch(x2d, rowmax, kw.get("temperature", 1.0), kw.get("top_k"),
-                              kw.get("top_p"), kw.get("min_p"), 5, block_n=block_n)
+    _, tau = sampling._launch(
+        x2d,
+        rowmax,
+        kw.get("temperature", 1.0),
+        kw.get("top_k"),
+        kw.get("top_p"),
+        kw.get("min_p"),
+        5,
+        block_n=block_n,
+    )
     return (order_keys(x2d, kw.get("temperature", 1.0)) >= tau[:, None]).cpu()
 
 
 def order_keys(x2d, temperature):
     """The kernel's order keys of z = (x - max x) / T (sampling._order_key, in torch)."""
     inv_t = min(1.0 / temperature, torch.finfo(torch.float32).max)
-    z = (x2d.float() - x2d.amax(-1).float()[:, None]) * torch.tensor(inv_t,
-                                                                      dtype=torch.float32)
+    z = (x2d.float() - x2d.amax(-1).float()[:, None]) * torch.tensor(
+        inv_t, dtype=torch.float32
+    )
     z = torch.where(z == 0, torch.zeros_like(z), z)
     bits = z.view(torch.int32)
     return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
@@ -135,14 +150,21 @@ def test_greedy_is_the_first_argmax(dtype, poison_empty):
     g = torch.Generator().manual_seed(1)
     x = torch.randint(-3, 4, (64, 7), generator=g).to(dtype).to(DEVICE)  # many ties
     out = sample(x, temperature=0, top_k=3, top_p=0.5)
-    assert torch.equal(out.cpu(), x.cpu().float().argmax(-1))  # torch.argmax: first maximal index
+    assert torch.equal(
+        out.cpu(), x.cpu().float().argmax(-1)
+    )  # torch.argmax: first maximal index
 
 
 def test_top_k_one_and_tiny_top_p_and_min_p_one_are_greedy():
     g = torch.Generator().manual_seed(2)
     x = (torch.randn(200, 33, generator=g) * 2).to(DEVICE)
     expected = x.argmax(-1).cpu()
-    for kw in (dict(top_k=1), dict(top_p=1e-9), dict(min_p=1.0), dict(temperature=1e-30)):
+    for kw in (
+        dict(top_k=1),
+        dict(top_p=1e-9),
+        dict(min_p=1.0),
+        dict(temperature=1e-30),
+    ):
         assert torch.equal(sample(x, generator=9, **kw).cpu(), expected), kw
 
 
@@ -150,7 +172,13 @@ def test_one_finite_logit_among_minus_inf():
     x = torch.full((50, 20), float("-inf"), device=DEVICE)
     where = torch.arange(50) % 20
     x[torch.arange(50), where.to(DEVICE)] = torch.randn(50, device=DEVICE)
-    for kw in (dict(), dict(top_k=5), dict(top_p=0.5), dict(min_p=0.5), dict(temperature=3.0)):
+    for kw in (
+        dict(),
+        dict(top_k=5),
+        dict(top_p=0.5),
+        dict(min_p=0.5),
+        dict(temperature=3.0),
+    ):
         assert torch.equal(sample(x, generator=4, **kw).cpu(), where), kw
 
 
@@ -178,7 +206,9 @@ def test_same_seed_same_draws_and_generators_advance():
     g2 = torch.Generator(device=DEVICE).manual_seed(5)
     first, second = sample(x, generator=g1), sample(x, generator=g1)
     assert not torch.equal(first, second)  # the generator advanced
-    assert torch.equal(first, sample(x, generator=g2)) and torch.equal(second, sample(x, generator=g2))
+    assert torch.equal(first, sample(x, generator=g2)) and torch.equal(
+        second, sample(x, generator=g2)
+    )
     torch.manual_seed(8)
     a = sample(x)
     torch.manual_seed(8)
@@ -198,12 +228,14 @@ def test_draws_do_not_depend_on_the_tiling():
 
 def test_shapes_strides_and_empty_inputs():
     base = torch.randn(6, 40, device=DEVICE)
-    x = base[:, 3:3 + 30]  # row stride 40
+    x = base[:, 3 : 3 + 30]  # row stride 40
     assert not x.is_contiguous()
     assert torch.equal(sample(x, generator=1), sample(x.contiguous(), generator=1))
     x3 = torch.randn(2, 3, 16, device=DEVICE)
     assert sample(x3, generator=1).shape == (2, 3)
-    assert torch.equal(sample(x3, generator=1).reshape(-1), sample(x3.reshape(6, 16), generator=1))
+    assert torch.equal(
+        sample(x3, generator=1).reshape(-1), sample(x3.reshape(6, 16), generator=1)
+    )
     xt = torch.randn(16, 5, device=DEVICE).t()  # last dimension not contiguous: copied
     assert torch.equal(sample(xt, generator=2), sample(xt.contiguous(), generator=2))
     assert sample(torch.randn(1, 5, device=DEVICE)).shape == (1,)
@@ -228,6 +260,7 @@ def test_requires_grad_gives_indices_without_gradient():
 
 # ------------------------------------------------------------------ bad arguments, before any launch
 
+
 def _ones():
     return torch.ones(3, 4, device=DEVICE)
 
@@ -242,17 +275,53 @@ def _with(i, j, value):
     "call, exc, words",
     [
         (lambda: sample([1.0, 2.0]), TypeError, "logits must be a torch.Tensor"),
-        (lambda: sample(torch.ones(3, 4, dtype=torch.int64, device=DEVICE)), TypeError, "logits must be"),
-        (lambda: sample(torch.tensor(1.0, device=DEVICE)), ValueError, "at least one dimension"),
-        (lambda: sample(torch.ones(3, 0, device=DEVICE)), ValueError, "at least one entry"),
-        (lambda: sample(torch.ones(3, 4, device="meta")), ValueError, "logits is on meta"),
+        (
+            lambda: sample(torch.ones(3, 4, dtype=torch.int64, device=DEVICE)),
+            TypeError,
+            "logits must be",
+        ),
+        (
+            lambda: sample(torch.tensor(1.0, device=DEVICE)),
+            ValueError,
+            "at least one dimension",
+        ),
+        (
+            lambda: sample(torch.ones(3, 0, device=DEVICE)),
+            ValueError,
+            "at least one entry",
+        ),
+        (
+            lambda: sample(torch.ones(3, 4, device="meta")),
+            ValueError,
+            "logits is on meta",
+        ),
         (lambda: sample(_with(1, 2, math.nan)), ValueError, "NaN"),
         (lambda: sample(_with(2, 0, math.inf), temperature=0), ValueError, "+inf"),
-        (lambda: sample(torch.full((2, 4), -math.inf, device=DEVICE)), ValueError, "all -inf"),
-        (lambda: sample(_ones(), temperature=-0.5), ValueError, "temperature must be >= 0"),
-        (lambda: sample(_ones(), temperature=math.nan), ValueError, "temperature must be finite"),
-        (lambda: sample(_ones(), temperature=math.inf), ValueError, "temperature must be finite"),
-        (lambda: sample(_ones(), temperature="1"), TypeError, "temperature must be a real number"),
+        (
+            lambda: sample(torch.full((2, 4), -math.inf, device=DEVICE)),
+            ValueError,
+            "all -inf",
+        ),
+        (
+            lambda: sample(_ones(), temperature=-0.5),
+            ValueError,
+            "temperature must be >= 0",
+        ),
+        (
+            lambda: sample(_ones(), temperature=math.nan),
+            ValueError,
+            "temperature must be finite",
+        ),
+        (
+            lambda: sample(_ones(), temperature=math.inf),
+            ValueError,
+            "temperature must be finite",
+        ),
+        (
+            lambda: sample(_ones(), temperature="1"),
+            TypeError,
+            "temperature must be a real number",
+        ),
         (lambda: sample(_ones(), top_k=0), ValueError, "top_k must be >= 1"),
         (lambda: sample(_ones(), top_k=2.0), TypeError, "top_k must be an int"),
         (lambda: sample(_ones(), top_k=True), TypeError, "top_k must be an int"),
@@ -262,13 +331,22 @@ def _with(i, j, value):
         (lambda: sample(_ones(), min_p=-0.1), ValueError, "min_p must be in [0, 1]"),
         (lambda: sample(_ones(), min_p=2), ValueError, "min_p must be in [0, 1]"),
         (lambda: sample(_ones(), generator=-1), ValueError, "generator as an int seed"),
-        (lambda: sample(_ones(), generator=2**63), ValueError, "generator as an int seed"),
-        (lambda: sample(_ones(), generator=1.5), TypeError, "generator must be a torch.Generator"),
+        (
+            lambda: sample(_ones(), generator=2**63),
+            ValueError,
+            "generator as an int seed",
+        ),
+        (
+            lambda: sample(_ones(), generator=1.5),
+            TypeError,
+            "generator must be a torch.Generator",
+        ),
         (lambda: sample(_ones(), generator="seed"), TypeError, "generator must be"),
     ],
 )
 def test_bad_arguments_raise_clear_errors(call, exc, words, monkeypatch):
     assert_rejected_before_launch(monkeypatch, "sampling", call, exc, words)
+
 
 # The GPU compiler's view of every sample variant (registers, spills, sm_90/80/75) is
 # tests/test_inspect.py's, like every other kernel's.
@@ -276,12 +354,18 @@ def test_bad_arguments_raise_clear_errors(call, exc, words, monkeypatch):
 
 # ------------------------------------------------------------------ top-p at its boundary, and HF
 
+
 def hf_kept(x, temperature=1.0, top_k=None, top_p=None):
     """The tokens Hugging Face's warpers keep, in its order (temperature, top-k, top-p)."""
-    from transformers.generation.logits_process import (TemperatureLogitsWarper,
-                                                        TopKLogitsWarper, TopPLogitsWarper)
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
-    s = x.double().cpu().reshape(-1, x.shape[-1])  # float64: HF's own rounding out of the way
+    s = (
+        x.double().cpu().reshape(-1, x.shape[-1])
+    )  # float64: HF's own rounding out of the way
     s = TemperatureLogitsWarper(temperature)(None, s)
     if top_k is not None:
         s = TopKLogitsWarper(top_k)(None, s)
@@ -356,8 +440,16 @@ def test_top_p_ties_keep_the_whole_group_where_hugging_face_splits_it():
     assert 1 < int(hf.sum()) < 5 and bool(hf[0]) and bool((kept | ~hf).all())
 
 
-@pytest.mark.parametrize("kw", [dict(top_p=0.9), dict(top_k=20), dict(top_k=30, top_p=0.7),
-                                dict(temperature=0.7, top_k=50, top_p=0.95)], ids=str)
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(top_p=0.9),
+        dict(top_k=20),
+        dict(top_k=30, top_p=0.7),
+        dict(temperature=0.7, top_k=50, top_p=0.95),
+    ],
+    ids=str,
+)
 @pytest.mark.parametrize("block_n", [None, 64])
 def test_kept_set_equals_hugging_faces_warpers(kw, block_n):
     """Random rows (no ties), 300 tokens: the kernel's kept set is HF's, row by row."""
@@ -370,7 +462,9 @@ def test_search_pins_the_threshold_in_its_passes():
     """SEARCH_PASSES passes of SEARCH_BITS bits cover the 2**31 keys of z in [-inf, 0]; the
     reads per row are the passes plus the draw (and the top-p total)."""
     assert sampling.SEARCH_BITS * sampling.SEARCH_PASSES >= 31
-    assert sampling.KEY_LO <= sampling.KEY_NEG_INF and sampling.KEY_PAD < sampling.KEY_LO
+    assert (
+        sampling.KEY_LO <= sampling.KEY_NEG_INF and sampling.KEY_PAD < sampling.KEY_LO
+    )
     assert sampling.row_reads() == 1
     assert sampling.row_reads(top_k=True) == sampling.SEARCH_PASSES + 1
     assert sampling.row_reads(top_k=True, top_p=True) == 2 * sampling.SEARCH_PASSES + 2
@@ -392,8 +486,12 @@ def test_a_rows_threshold_and_draw_do_not_depend_on_its_batch(n):
 
 # ------------------------------------------------------------------ a row split over programs
 
-@pytest.mark.parametrize("filters", [(0.8, 9, 0.7, None), (1.0, None, None, 0.05)],
-                         ids=["top_k-top_p", "min_p"])
+
+@pytest.mark.parametrize(
+    "filters",
+    [(0.8, 9, 0.7, None), (1.0, None, None, 0.05)],
+    ids=["top_k-top_p", "min_p"],
+)
 def test_split_rows_draw_what_one_program_draws(filters, poison_empty):
     """The split path (one program per tile, a merge per launch) against the single-program
     loop over the same 32-element tiles: the same threshold key and the same token, bit for
@@ -418,7 +516,10 @@ def test_split_greedy_ties_across_tiles_go_to_the_first():
     x = logits_row(70, seed=6).clamp(max=1.0)
     x[[20, 65, 67]] = 4.0
     x = x[None].to(DEVICE)
-    for temperature in (0.0, 1e-30):  # greedy; the T -> 0 limit, a draw among the maxima
+    for temperature in (
+        0.0,
+        1e-30,
+    ):  # greedy; the T -> 0 limit, a draw among the maxima
         args = (x, x.amax(-1), temperature, None, None, None, 3)
         out, _ = sampling._launch(*args, block_n=32, split=True)
         assert out.item() == 20 if temperature == 0.0 else out.item() in (20, 65, 67)
@@ -441,7 +542,9 @@ def test_split_rows_merge_more_tiles_than_one_group():
     assert torch.equal(one[0], split[0]) and torch.equal(one[1], split[1])
     for at, want in (([16 * 17 + 3], 16 * 17 + 3), ([20, 16 * 17 + 3], 20)):
         peaked = x.clamp(max=1.0)
-        peaked[0, at] = 4.0  # the maximum in the last group only, then also in the first
+        peaked[0, at] = (
+            4.0  # the maximum in the last group only, then also in the first
+        )
         args = (peaked, peaked.amax(-1), 0.0, None, None, None, 3)
         assert sampling._launch(*args, block_n=16, split=True)[0].item() == want, at
 
@@ -470,4 +573,6 @@ def test_split_is_chosen_from_the_vocabulary_size_only():
     assert sampling.SAMPLE_SPLIT_MIN_N > sampling.SAMPLE_TILE
     assert len(sampling._split_steps(False, False)) == 1
     assert len(sampling._split_steps(True, True)) == 2 * sampling.SEARCH_PASSES + 2
-    assert sampling.row_reads(top_k=True, top_p=True) == len(sampling._split_steps(True, True))
+    assert sampling.row_reads(top_k=True, top_p=True) == len(
+        sampling._split_steps(True, True)
+    )

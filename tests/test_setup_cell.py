@@ -13,7 +13,6 @@ import sys
 
 import pytest
 import yaml
-
 from book_build import ROOT, chapter_notebooks, require
 
 require(("nbformat", "nbclient", "ipykernel"))
@@ -31,10 +30,17 @@ def run_setup(tmp_path, before: str = ""):
     """Execute [before, set-up cell] in a kernel started in tmp_path; return the set-up cell."""
     assert not tmp_path.resolve().is_relative_to(ROOT)
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(before or "pass"),
-                nbformat.v4.new_code_cell(sync_setup_cells.setup_source())]
-    NotebookClient(nb, timeout=300, kernel_name="python3", allow_errors=True,
-                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    nb.cells = [
+        nbformat.v4.new_code_cell(before or "pass"),
+        nbformat.v4.new_code_cell(sync_setup_cells.setup_source()),
+    ]
+    NotebookClient(
+        nb,
+        timeout=300,
+        kernel_name="python3",
+        allow_errors=True,
+        resources={"metadata": {"path": str(tmp_path)}},
+    ).execute()
     assert not [o for o in nb.cells[0].outputs if o.output_type == "error"]
     return nb.cells[1]
 
@@ -49,7 +55,9 @@ def test_every_chapter_carries_the_generated_cell():
     want = sync_setup_cells.setup_source()
     for path in chapter_notebooks():
         nb = nbformat.read(path, as_version=4)
-        assert sum(want == c.source for c in nb.cells) == 1, f"{path.name}: run tools/sync_setup_cells.py"
+        assert sum(want == c.source for c in nb.cells) == 1, (
+            f"{path.name}: run tools/sync_setup_cells.py"
+        )
 
 
 def test_setup_cell_fits_88_columns_and_pins_the_configured_branch():
@@ -73,7 +81,9 @@ def test_missing_package_names_the_commands(tmp_path, missing):
     assert err.ename == "ModuleNotFoundError"
     msg = err.evalue
     assert f"needs {', '.join(missing)}," in msg
-    assert f'%pip install "{PIP}"' in msg  # Colab or any Jupyter, this repository at its branch
+    assert (
+        f'%pip install "{PIP}"' in msg
+    )  # Colab or any Jupyter, this repository at its branch
     assert "pip install -e '.[book]'" in msg  # a clone
     assert "download.pytorch.org/whl/cpu" in msg  # the small CPU torch first
     assert "restart the kernel" in msg
@@ -81,11 +91,13 @@ def test_missing_package_names_the_commands(tmp_path, missing):
 
 @pytest.mark.skipif(shutil.which("false") is None, reason="needs the `false` command")
 def test_failed_install_in_colab_is_reported_as_such(tmp_path):
-    fake_colab = ("import sys, types, shutil\n"
-                  "sys.modules['google'] = types.ModuleType('google')\n"
-                  "sys.modules['google.colab'] = types.ModuleType('google.colab')\n"
-                  "sys.modules['normbook'] = None\n"
-                  "_real_executable, sys.executable = sys.executable, shutil.which('false')\n")
+    fake_colab = (
+        "import sys, types, shutil\n"
+        "sys.modules['google'] = types.ModuleType('google')\n"
+        "sys.modules['google.colab'] = types.ModuleType('google.colab')\n"
+        "sys.modules['normbook'] = None\n"
+        "_real_executable, sys.executable = sys.executable, shutil.which('false')\n"
+    )
     err = error_of(run_setup(tmp_path, fake_colab))
     assert err.ename == "RuntimeError"
     assert "Installing this book's packages failed" in err.evalue
@@ -96,7 +108,9 @@ def test_failed_install_in_colab_is_reported_as_such(tmp_path):
 
 def test_missing_book_extra_is_listed_from_pyproject():
     assert sync_setup_cells.book_modules()[:1] == ["normbook"]
-    assert {"sympy", "matplotlib", "transformers", "plotly"} <= set(sync_setup_cells.book_modules())
+    assert {"sympy", "matplotlib", "transformers", "plotly"} <= set(
+        sync_setup_cells.book_modules()
+    )
 
 
 def test_the_wheel_holds_every_package():
@@ -110,13 +124,35 @@ def test_the_wheel_holds_every_package():
     import zipfile
 
     with tempfile.TemporaryDirectory() as out:
-        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                        "-q", "-w", out, str(ROOT)], check=True, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "wheel",
+                "--no-deps",
+                "--no-build-isolation",
+                "-q",
+                "-w",
+                out,
+                str(ROOT),
+            ],
+            check=True,
+            capture_output=True,
+        )
         (wheel,) = pathlib.Path(out).glob("*.whl")
         names = zipfile.ZipFile(wheel).namelist()
-    packages = {".".join(pathlib.PurePath(n).parent.parts) for n in names if n.endswith("/__init__.py")}
-    present = {".".join(p.parent.relative_to(ROOT / "kernels").parts)
-               for p in (ROOT / "kernels").rglob("__init__.py")}
-    assert packages == present, f"the wheel's packages {sorted(packages)} != {sorted(present)}"
+    packages = {
+        ".".join(pathlib.PurePath(n).parent.parts)
+        for n in names
+        if n.endswith("/__init__.py")
+    }
+    present = {
+        ".".join(p.parent.relative_to(ROOT / "kernels").parts)
+        for p in (ROOT / "kernels").rglob("__init__.py")
+    }
+    assert packages == present, (
+        f"the wheel's packages {sorted(packages)} != {sorted(present)}"
+    )
     tops = {pathlib.PurePath(n).parts[0] for n in names if ".dist-info" not in n}
     assert tops == {"normbook"}, tops

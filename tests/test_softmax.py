@@ -19,11 +19,17 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import (
+    LOW_PRECISION,
+    UNIT_ROUNDOFF,
+    assert_close_to_reference,
+    assert_rejected_before_launch,
+    norm_tolerance,
+    randn,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import (LOW_PRECISION, UNIT_ROUNDOFF, assert_close_to_reference,
-                      assert_rejected_before_launch, norm_tolerance, randn)
 from normbook import DEVICE, softmax
 from normbook import reference as ref
 
@@ -50,7 +56,9 @@ def test_matches_reference_and_torch(dtype, n, poison_empty):
         return
     # PyTorch is within the same bound of the truth, so the two differ by at most twice it.
     rtol, atol = norm_tolerance(dtype)
-    torch.testing.assert_close(y.cpu(), F.softmax(x, dim=-1).cpu(), rtol=2 * rtol, atol=2 * atol)
+    torch.testing.assert_close(
+        y.cpu(), F.softmax(x, dim=-1).cpu(), rtol=2 * rtol, atol=2 * atol
+    )
 
 
 def test_wide_rows_take_the_looping_path():
@@ -90,8 +98,9 @@ def test_hand_calculation():
     torch.testing.assert_close(y.cpu(), expected, rtol=1e-15, atol=0)
 
 
-@pytest.mark.parametrize("dtype, big", [(torch.float32, 1e4), (torch.float16, 6e4),
-                                        (torch.bfloat16, 3e38)])
+@pytest.mark.parametrize(
+    "dtype, big", [(torch.float32, 1e4), (torch.float16, 6e4), (torch.bfloat16, 3e38)]
+)
 @pytest.mark.parametrize("n", [7, 40000])
 def test_large_logits_do_not_overflow(dtype, big, n):
     """exp(big) overflows every format; the max shift keeps every exponent <= 0."""
@@ -113,7 +122,7 @@ def test_shift_invariance(n):
 
 def test_strided_rows_are_used_in_place():
     base = randn(6, 1037)
-    x = base[:, 5:5 + 1000]  # row stride 1037, last dimension contiguous
+    x = base[:, 5 : 5 + 1000]  # row stride 1037, last dimension contiguous
     assert not x.is_contiguous()
     assert_close_to_reference(softmax(x), ref.softmax(x), torch.float32)
     xw = randn(2, 41000)[:, 3:40003]  # strided and wide
@@ -139,11 +148,13 @@ def test_nan_and_inf_stay_in_their_row(n):
     x = randn(6, n)
     x[1, n // 2] = float("nan")
     x[2, 0] = float("inf")
-    x[3, :] = float("-inf")                  # a fully masked row: 0/0, as torch
-    x[4, : n // 2 + 1] = float("-inf")       # -inf first (the looping path's first blocks)
+    x[3, :] = float("-inf")  # a fully masked row: 0/0, as torch
+    x[4, : n // 2 + 1] = float("-inf")  # -inf first (the looping path's first blocks)
     y = softmax(x)
     expected = F.softmax(x, dim=-1)
-    assert torch.isnan(y[1]).all() and torch.isnan(y[2]).all() and torch.isnan(y[3]).all()
+    assert (
+        torch.isnan(y[1]).all() and torch.isnan(y[2]).all() and torch.isnan(y[3]).all()
+    )
     assert torch.equal(torch.isnan(y), torch.isnan(expected))
     assert (y[4, : n // 2 + 1] == 0).all()
     assert torch.isfinite(y[[0, 4, 5]]).all()
@@ -156,19 +167,28 @@ def test_deterministic():
 
 
 @settings(max_examples=25, deadline=None)
-@given(m=st.integers(1, 4), n=st.integers(1, 300), log_scale=st.floats(-3, 2),
-       seed=st.integers(0, 2**31 - 1))
+@given(
+    m=st.integers(1, 4),
+    n=st.integers(1, 300),
+    log_scale=st.floats(-3, 2),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_property_is_a_probability_vector(m, n, log_scale, seed):
     g = torch.Generator().manual_seed(seed)
     x = randn(m, n, scale=10.0**log_scale, generator=g)
     y = softmax(x).double()
     assert bool((y >= 0).all())
-    torch.testing.assert_close(y.sum(-1), torch.ones(m, dtype=torch.float64), rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        y.sum(-1), torch.ones(m, dtype=torch.float64), rtol=0, atol=1e-5
+    )
     # Monotone: the largest logit gets the largest probability.
-    assert bool((y.max(-1).values == y.gather(-1, x.argmax(-1, keepdim=True))[:, 0]).all())
+    assert bool(
+        (y.max(-1).values == y.gather(-1, x.argmax(-1, keepdim=True))[:, 0]).all()
+    )
 
 
 # ------------------------------------------------------------------ backward
+
 
 def assert_vjp_close(dx, x, dy, dtype, what="dx"):
     """|dx − dx_ref| <= u|dx_ref| + (2u + 1e-5)·p(|dy| + Σp|dy|), and for fp16, whose saved p
@@ -186,7 +206,8 @@ def assert_vjp_close(dx, x, dy, dtype, what="dx"):
     err = (dx.double().cpu() - expected).abs()
     worst = torch.argmax(err - bound)
     assert bool((err <= bound).all()), (
-        f"{what} ({dtype}): error {err.flatten()[worst]:.3g} > bound {bound.flatten()[worst]:.3g}")
+        f"{what} ({dtype}): error {err.flatten()[worst]:.3g} > bound {bound.flatten()[worst]:.3g}"
+    )
 
 
 def run_backward(x, dy, dim=-1):
@@ -207,14 +228,18 @@ def test_backward_matches_reference(dtype, n, poison_empty):
 def test_backward_any_dim(dim):
     x, dy = randn(4, 5, 6), randn(4, 5, 6)
     dx = run_backward(x, dy, dim)
-    assert_vjp_close(dx.movedim(dim, -1), x.movedim(dim, -1), dy.movedim(dim, -1), torch.float32)
+    assert_vjp_close(
+        dx.movedim(dim, -1), x.movedim(dim, -1), dy.movedim(dim, -1), torch.float32
+    )
 
 
 def test_backward_matches_torch_autograd():
     x, dy = randn(5, 300, scale=3.0), randn(5, 300)
     xt = x.clone().requires_grad_()
     F.softmax(xt, dim=-1).backward(dy)
-    torch.testing.assert_close(run_backward(x, dy).cpu(), xt.grad.cpu(), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(
+        run_backward(x, dy).cpu(), xt.grad.cpu(), rtol=1e-5, atol=1e-7
+    )
 
 
 def test_gradcheck_float64_through_the_kernels():
@@ -272,17 +297,46 @@ def test_no_grad_path_saves_nothing(monkeypatch):
 
 # ------------------------------------------------------------------ bad arguments, before any launch
 
+
 @pytest.mark.parametrize(
     "call, exc, words",
     [
         (lambda: softmax([1.0, 2.0]), TypeError, "x must be a torch.Tensor"),
-        (lambda: softmax(torch.ones(3, 4, dtype=torch.int32, device=DEVICE)), TypeError, "x must be"),
-        (lambda: softmax(torch.tensor(1.0, device=DEVICE)), ValueError, "at least one dimension"),
-        (lambda: softmax(torch.ones(3, 4, device=DEVICE), dim=2), ValueError, "dim must be in [-2, 1]"),
-        (lambda: softmax(torch.ones(3, 4, device=DEVICE), dim=-3), ValueError, "dim must be in"),
-        (lambda: softmax(torch.ones(3, 4, device=DEVICE), dim=1.0), TypeError, "dim must be an int"),
-        (lambda: softmax(torch.ones(3, 4, device=DEVICE), dim=True), TypeError, "dim must be an int"),
-        (lambda: softmax(torch.ones(3, 4, device=DEVICE), dim=None), TypeError, "dim must be an int"),
+        (
+            lambda: softmax(torch.ones(3, 4, dtype=torch.int32, device=DEVICE)),
+            TypeError,
+            "x must be",
+        ),
+        (
+            lambda: softmax(torch.tensor(1.0, device=DEVICE)),
+            ValueError,
+            "at least one dimension",
+        ),
+        (
+            lambda: softmax(torch.ones(3, 4, device=DEVICE), dim=2),
+            ValueError,
+            "dim must be in [-2, 1]",
+        ),
+        (
+            lambda: softmax(torch.ones(3, 4, device=DEVICE), dim=-3),
+            ValueError,
+            "dim must be in",
+        ),
+        (
+            lambda: softmax(torch.ones(3, 4, device=DEVICE), dim=1.0),
+            TypeError,
+            "dim must be an int",
+        ),
+        (
+            lambda: softmax(torch.ones(3, 4, device=DEVICE), dim=True),
+            TypeError,
+            "dim must be an int",
+        ),
+        (
+            lambda: softmax(torch.ones(3, 4, device=DEVICE), dim=None),
+            TypeError,
+            "dim must be an int",
+        ),
         (lambda: softmax(torch.ones(3, 4, device="meta")), ValueError, "x is on meta"),
     ],
 )

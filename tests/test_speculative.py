@@ -4,6 +4,7 @@ q = p accepts everything, reproducible, and bad arguments refused."""
 import pytest
 import torch
 from conftest import on_cpu
+
 from normbook import DEVICE, speculative_sample
 from normbook import reference as ref
 
@@ -18,8 +19,9 @@ def dists(*shape, generator, sharp=1.0):
 
 
 def draw(probs, generator):
-    return torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator).view(
-        probs.shape[:-1])
+    return torch.multinomial(
+        probs.reshape(-1, probs.shape[-1]), 1, generator=generator
+    ).view(probs.shape[:-1])
 
 
 def chi_square_p_value(counts, expected):
@@ -28,7 +30,9 @@ def chi_square_p_value(counts, expected):
     incomplete gamma function; torch has it, so no scipy is needed)."""
     keep = expected > 0
     assert bool((counts[~keep] == 0).all()), "a token of probability 0 was emitted"
-    assert float(expected[keep].min()) >= 5, "too few draws for the chi-square approximation"
+    assert float(expected[keep].min()) >= 5, (
+        "too few draws for the chi-square approximation"
+    )
     o, e = counts[keep].double(), expected[keep].double()
     assert abs(float(o.sum() - e.sum())) < 1e-6 * float(e.sum())
     x2 = ((o - e) ** 2 / e).sum()
@@ -54,8 +58,9 @@ def test_first_emitted_token_is_distributed_as_p(K):
     q = q1.expand(n, K, V).contiguous()
     p = p1.expand(n, K + 1, V).contiguous()
     tokens = draw(q, g)
-    out, accepted = speculative_sample(tokens.to(DEVICE), q.float().to(DEVICE),
-                                       p.float().to(DEVICE), generator=1234)
+    out, accepted = speculative_sample(
+        tokens.to(DEVICE), q.float().to(DEVICE), p.float().to(DEVICE), generator=1234
+    )
     out, accepted = on_cpu(out, accepted)
     counts = torch.bincount(out[:, 0], minlength=V).double()
     assert chi_square_p_value(counts, n * p1[0, 0]) > 1e-3
@@ -74,8 +79,9 @@ def test_every_emitted_position_follows_p_given_the_prefix():
     p1 = dists(1, 1, generator=g, sharp=1.5)[0, 0]
     q = q1.expand(n, K, V).contiguous()
     p = p1.expand(n, K + 1, V).contiguous()
-    out, accepted = speculative_sample(draw(q, g).to(DEVICE), q.to(DEVICE), p.to(DEVICE),
-                                       generator=99)
+    out, accepted = speculative_sample(
+        draw(q, g).to(DEVICE), q.to(DEVICE), p.to(DEVICE), generator=99
+    )
     out, accepted = on_cpu(out, accepted)
     for pos in range(K + 1):
         reached = accepted >= pos
@@ -84,7 +90,9 @@ def test_every_emitted_position_follows_p_given_the_prefix():
     # Acceptance count: geometric-truncated with α = Σ min(p, q) per position (i.i.d.
     # here).
     alpha = float(ref.speculative_acceptance(p1, q1))
-    expected = torch.tensor([(1 - alpha), alpha * (1 - alpha), alpha**2], dtype=torch.float64)
+    expected = torch.tensor(
+        [(1 - alpha), alpha * (1 - alpha), alpha**2], dtype=torch.float64
+    )
     observed = torch.bincount(accepted, minlength=K + 1).double()
     assert chi_square_p_value(observed, n * expected) > 1e-3
 
@@ -95,8 +103,9 @@ def test_q_equal_p_accepts_everything_and_emits_a_bonus():
     p = dists(B, K + 1, generator=g)
     q = p[:, :K].clone()
     tokens = draw(q, g)
-    out, accepted = speculative_sample(tokens.to(DEVICE), q.to(DEVICE), p.to(DEVICE),
-                                       generator=5)
+    out, accepted = speculative_sample(
+        tokens.to(DEVICE), q.to(DEVICE), p.to(DEVICE), generator=5
+    )
     out, accepted = on_cpu(out, accepted)
     assert bool((accepted == K).all())
     assert torch.equal(out[:, :K], tokens)
@@ -110,8 +119,9 @@ def test_layout_of_tokens():
     B, K = 300, 3
     q, p = dists(B, K, generator=g, sharp=3), dists(B, K + 1, generator=g, sharp=3)
     tokens = draw(q, g)
-    out, accepted = on_cpu(*speculative_sample(tokens.to(DEVICE), q.to(DEVICE), p.to(DEVICE),
-                                               generator=0))
+    out, accepted = on_cpu(
+        *speculative_sample(tokens.to(DEVICE), q.to(DEVICE), p.to(DEVICE), generator=0)
+    )
     assert out.dtype == torch.int64 and accepted.dtype == torch.int64
     assert out.shape == (B, K + 1) and accepted.shape == (B,)
     assert bool((accepted >= 0).all() & (accepted <= K).all())
@@ -120,7 +130,7 @@ def test_layout_of_tokens():
         a = int(accepted[b])
         assert torch.equal(out[b, :a], tokens[b, :a])
         assert out[b, a] >= 1 and p[b, a, out[b, a]] > 0
-        assert bool((out[b, a + 1:] == -1).all())
+        assert bool((out[b, a + 1 :] == -1).all())
         if a < K:  # the replacement comes from (p − q)₊: a token where p > q
             assert p[b, a, out[b, a]] > q[b, a, out[b, a]]
 
@@ -143,14 +153,22 @@ def test_reproducible_from_a_seed_or_a_generator():
 
 def test_empty_batch_and_k_zero():
     q = torch.rand(0, 2, V, device=DEVICE)
-    out, acc = speculative_sample(torch.zeros(0, 2, dtype=torch.int64, device=DEVICE), q,
-                                  torch.rand(0, 3, V, device=DEVICE), generator=0)
+    out, acc = speculative_sample(
+        torch.zeros(0, 2, dtype=torch.int64, device=DEVICE),
+        q,
+        torch.rand(0, 3, V, device=DEVICE),
+        generator=0,
+    )
     assert out.shape == (0, 3) and acc.shape == (0,)
     # K = 0: no draft, the bonus token alone, from p_1.
     p = torch.zeros(4, 1, V, device=DEVICE)
     p[..., 2] = 1.0
-    out, acc = speculative_sample(torch.zeros(4, 0, dtype=torch.int64, device=DEVICE),
-                                  torch.zeros(4, 0, V, device=DEVICE), p, generator=0)
+    out, acc = speculative_sample(
+        torch.zeros(4, 0, dtype=torch.int64, device=DEVICE),
+        torch.zeros(4, 0, V, device=DEVICE),
+        p,
+        generator=0,
+    )
     assert bool((out[:, 0] == 2).all()) and bool((acc == 0).all())
 
 
@@ -162,25 +180,84 @@ def _good():
 
 BAD = [
     (lambda t, q, p: (t.float(), q, p), {}, TypeError, "draft_tokens must be int64"),
-    (lambda t, q, p: (t, q.long(), p), {}, TypeError, "draft_probs must be floating-point"),
-    (lambda t, q, p: (t, q, (p * 6).int()), {}, TypeError, "target_probs must be floating-point"),
-    (lambda t, q, p: (t.tolist(), q, p), {}, TypeError, "draft_tokens must be a torch.Tensor"),
-    (lambda t, q, p: (t, q[:, :2], p), {}, ValueError, "draft_probs must have shape (2, 3, V)"),
-    (lambda t, q, p: (t, q[:1], p), {}, ValueError, "draft_probs must have shape (2, 3, V)"),
-    (lambda t, q, p: (t, q, p[:, :3]), {}, ValueError, "target_probs must have shape (2, 4, 6)"),
-    (lambda t, q, p: (t, q, p[..., :5]), {}, ValueError, "target_probs must have shape (2, 4, 6)"),
-    (lambda t, q, p: (t, q, p[:1]), {}, ValueError, "target_probs must have shape (2, 4, 6)"),
-    (lambda t, q, p: (t[0], q, p), {}, ValueError, "draft_tokens must have shape (B, K)"),
-    (lambda t, q, p: (t, q[0], p), {}, ValueError, "draft_probs must have 3 dimensions"),
+    (
+        lambda t, q, p: (t, q.long(), p),
+        {},
+        TypeError,
+        "draft_probs must be floating-point",
+    ),
+    (
+        lambda t, q, p: (t, q, (p * 6).int()),
+        {},
+        TypeError,
+        "target_probs must be floating-point",
+    ),
+    (
+        lambda t, q, p: (t.tolist(), q, p),
+        {},
+        TypeError,
+        "draft_tokens must be a torch.Tensor",
+    ),
+    (
+        lambda t, q, p: (t, q[:, :2], p),
+        {},
+        ValueError,
+        "draft_probs must have shape (2, 3, V)",
+    ),
+    (
+        lambda t, q, p: (t, q[:1], p),
+        {},
+        ValueError,
+        "draft_probs must have shape (2, 3, V)",
+    ),
+    (
+        lambda t, q, p: (t, q, p[:, :3]),
+        {},
+        ValueError,
+        "target_probs must have shape (2, 4, 6)",
+    ),
+    (
+        lambda t, q, p: (t, q, p[..., :5]),
+        {},
+        ValueError,
+        "target_probs must have shape (2, 4, 6)",
+    ),
+    (
+        lambda t, q, p: (t, q, p[:1]),
+        {},
+        ValueError,
+        "target_probs must have shape (2, 4, 6)",
+    ),
+    (
+        lambda t, q, p: (t[0], q, p),
+        {},
+        ValueError,
+        "draft_tokens must have shape (B, K)",
+    ),
+    (
+        lambda t, q, p: (t, q[0], p),
+        {},
+        ValueError,
+        "draft_probs must have 3 dimensions",
+    ),
     (lambda t, q, p: (t, q, p), {"generator": 1.5}, TypeError, "generator must be"),
-    (lambda t, q, p: (t, q, p), {"generator": -1}, ValueError, "generator as an int seed"),
+    (
+        lambda t, q, p: (t, q, p),
+        {"generator": -1},
+        ValueError,
+        "generator as an int seed",
+    ),
     (lambda t, q, p: (t + 6, q, p), {}, ValueError, "draft_tokens must be in [0, 6)"),
     (lambda t, q, p: (t - 1, q, p), {}, ValueError, "draft_tokens must be in [0, 6)"),
     (lambda t, q, p: (t, q * float("nan"), p), {}, ValueError, "must be finite"),
     (lambda t, q, p: (t, q, -p), {}, ValueError, "must be >= 0"),
     (lambda t, q, p: (t, q, p * 0), {}, ValueError, "needs positive mass"),
-    (lambda t, q, p: (t, torch.cat([q[..., :1] * 0, q[..., 1:]], -1), p), {}, ValueError,
-     "draft probability 0"),
+    (
+        lambda t, q, p: (t, torch.cat([q[..., :1] * 0, q[..., 1:]], -1), p),
+        {},
+        ValueError,
+        "draft probability 0",
+    ),
 ]
 
 

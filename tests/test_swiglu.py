@@ -22,9 +22,14 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import (
+    LOW_PRECISION,
+    UNIT_ROUNDOFF,
+    assert_rejected_before_launch,
+    on_cpu,
+    randn,
+)
 
-from conftest import (LOW_PRECISION, UNIT_ROUNDOFF, assert_rejected_before_launch, on_cpu,
-                      randn)
 from normbook import DEVICE, swiglu
 from normbook import reference as ref
 
@@ -42,11 +47,15 @@ def _bound(dtype, g, size):
 
 def _assert_within(out, want, bound, what):
     out = out.double()
-    assert torch.equal(torch.isnan(out), torch.isnan(want)), f"{what}: NaN pattern differs"
+    assert torch.equal(torch.isnan(out), torch.isnan(want)), (
+        f"{what}: NaN pattern differs"
+    )
     ok = torch.isfinite(want)
     err = (out - want).abs()[ok]
     worst = (err - bound[ok]).max() if err.numel() else torch.tensor(0.0)
-    assert bool((err <= bound[ok]).all()), f"{what}: error above its bound by {worst.item():.3g}"
+    assert bool((err <= bound[ok]).all()), (
+        f"{what}: error above its bound by {worst.item():.3g}"
+    )
 
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
@@ -73,15 +82,22 @@ def test_backward_matches_float64(shape, dtype, poison_empty):
     g64 = g.double()
     s = torch.sigmoid(g64)
     terms = (dy.double() * u.double()).abs() * (s + g64.abs() * s * (1 - s))
-    _assert_within(dg, want_dg, _bound(dtype, g64, terms) + UNIT_ROUNDOFF[dtype] * want_dg.abs(),
-                   "dgate")
+    _assert_within(
+        dg,
+        want_dg,
+        _bound(dtype, g64, terms) + UNIT_ROUNDOFF[dtype] * want_dg.abs(),
+        "dgate",
+    )
     _assert_within(du, want_du, _bound(dtype, g64, want_du.abs()), "dup")
 
 
 def test_one_rounding_is_at_least_as_accurate_as_eager_bf16():
     """Eager PyTorch (Hugging Face's act_fn(g) * u) rounds silu(g) to bf16, then the product:
     the kernel rounds once, so it is never further from float64 (summed over a tensor)."""
-    g, u = randn(64, 256, dtype=torch.bfloat16, scale=3.0), randn(64, 256, dtype=torch.bfloat16)
+    g, u = (
+        randn(64, 256, dtype=torch.bfloat16, scale=3.0),
+        randn(64, 256, dtype=torch.bfloat16),
+    )
     ours, eager = on_cpu(swiglu(g, u), F.silu(g) * u)
     exact = ref.swiglu(*on_cpu(g, u))
     assert (ours.double() - exact).abs().sum() <= (eager.double() - exact).abs().sum()
@@ -150,15 +166,52 @@ def test_deterministic():
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("call, exc, words", [
-    (lambda: swiglu(randn(2, 4), randn(2, 5)), ValueError, "gate (2, 4) and up (2, 5)"),
-    (lambda: swiglu(randn(2, 4), randn(4, 2)), ValueError, "gate (2, 4) and up (4, 2)"),
-    (lambda: swiglu(randn(2, 4), randn(2, 4, dtype=torch.float16)), TypeError, "up"),
-    (lambda: swiglu(torch.ones(2, 4, dtype=torch.int32), randn(2, 4)), TypeError, "gate"),
-    (lambda: swiglu(randn(2, 4), [1.0] * 4), TypeError, "up"),
-    (lambda: swiglu(torch.tensor(1.0), torch.tensor(1.0)), ValueError, "gate"),
-    (lambda: swiglu(torch.ones(2, 4, device="meta"), randn(2, 4)), ValueError, "gate"),
-    (lambda: swiglu(randn(2, 4), torch.ones(2, 4, device="meta")), ValueError, "up"),
-], ids=["shape", "shape-transposed", "dtype", "int", "list", "scalar", "device-g", "device-u"])
+@pytest.mark.parametrize(
+    "call, exc, words",
+    [
+        (
+            lambda: swiglu(randn(2, 4), randn(2, 5)),
+            ValueError,
+            "gate (2, 4) and up (2, 5)",
+        ),
+        (
+            lambda: swiglu(randn(2, 4), randn(4, 2)),
+            ValueError,
+            "gate (2, 4) and up (4, 2)",
+        ),
+        (
+            lambda: swiglu(randn(2, 4), randn(2, 4, dtype=torch.float16)),
+            TypeError,
+            "up",
+        ),
+        (
+            lambda: swiglu(torch.ones(2, 4, dtype=torch.int32), randn(2, 4)),
+            TypeError,
+            "gate",
+        ),
+        (lambda: swiglu(randn(2, 4), [1.0] * 4), TypeError, "up"),
+        (lambda: swiglu(torch.tensor(1.0), torch.tensor(1.0)), ValueError, "gate"),
+        (
+            lambda: swiglu(torch.ones(2, 4, device="meta"), randn(2, 4)),
+            ValueError,
+            "gate",
+        ),
+        (
+            lambda: swiglu(randn(2, 4), torch.ones(2, 4, device="meta")),
+            ValueError,
+            "up",
+        ),
+    ],
+    ids=[
+        "shape",
+        "shape-transposed",
+        "dtype",
+        "int",
+        "list",
+        "scalar",
+        "device-g",
+        "device-u",
+    ],
+)
 def test_bad_arguments_are_refused_before_launch(monkeypatch, call, exc, words):
     assert_rejected_before_launch(monkeypatch, "swiglu", call, exc, words)

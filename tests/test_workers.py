@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-GROUPED = '''
+GROUPED = """
 import os, pathlib, pytest
 
 OUT = pathlib.Path(os.environ["WORKERS_OUT"])
@@ -23,22 +23,45 @@ def test_grouped(i):
 @pytest.mark.parametrize("i", range(6))
 def test_free(i):
     (OUT / f"free-{i}").write_text(os.environ.get("PYTEST_XDIST_WORKER", "main"))
-'''
+"""
 
 
-@pytest.mark.skipif(importlib.util.find_spec("xdist") is None, reason="needs pytest-xdist")
+@pytest.mark.skipif(
+    importlib.util.find_spec("xdist") is None, reason="needs pytest-xdist"
+)
 def test_an_xdist_group_runs_on_one_worker(tmp_path):
     (tmp_path / "test_grouped.py").write_text(GROUPED)
     out = tmp_path / "out"
     out.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "-n", "2", "--dist", "loadgroup", "-c", "/dev/null",
-                           "--rootdir", str(tmp_path), str(tmp_path / "test_grouped.py")],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env={**__import__("os").environ, "WORKERS_OUT": str(out)})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-n",
+            "2",
+            "--dist",
+            "loadgroup",
+            "-c",
+            "/dev/null",
+            "--rootdir",
+            str(tmp_path),
+            str(tmp_path / "test_grouped.py"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "WORKERS_OUT": str(out)},
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     grouped = {(out / f"grouped-{i}").read_text() for i in range(6)}
-    assert len(grouped) == 1, f"one xdist group ran on {sorted(grouped)}: groups are ignored"
+    assert len(grouped) == 1, (
+        f"one xdist group ran on {sorted(grouped)}: groups are ignored"
+    )
     assert all((out / f"free-{i}").exists() for i in range(6))
 
 
@@ -48,11 +71,14 @@ def test_one_compute_thread_per_process_unless_asked():
     import os
 
     import torch
-
     from conftest import COMPUTE_THREADS
 
     want = int(os.environ["OMP_NUM_THREADS"].split(",")[0])
     assert torch.get_num_threads() == want == COMPUTE_THREADS
-    child = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
-                           capture_output=True, text=True, timeout=120)
+    child = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert child.returncode == 0 and int(child.stdout) == want

@@ -18,17 +18,26 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def clean(nb: dict) -> dict:
     """The stored form of a notebook: no outputs, content-derived ids, the book's metadata."""
     # Colab and Jupyter Book pick the kernel from here; a jupytext round trip drops it.
-    nb["metadata"]["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
+    nb["metadata"]["kernelspec"] = {
+        "display_name": "Python 3",
+        "language": "python",
+        "name": "python3",
+    }
     nb["metadata"]["language_info"] = {"name": "python"}
-    nb["metadata"]["jupytext"] = {"cell_metadata_filter": "tags,-all", "main_language": "python",
-                                  "notebook_metadata_filter": "-all"}
+    nb["metadata"]["jupytext"] = {
+        "cell_metadata_filter": "tags,-all",
+        "main_language": "python",
+        "notebook_metadata_filter": "-all",
+    }
     seen = set()
     for c in nb["cells"]:
         if c.get("id") != "setup":
             text = c["cell_type"] + "\n" + "".join(c["source"])
             digest = hashlib.sha1(text.encode()).hexdigest()
             i = 0
-            while (cid := digest[i:i + 8]) in seen:  # identical cells: take the next 8 hex digits
+            while (
+                cid := digest[i : i + 8]
+            ) in seen:  # identical cells: take the next 8 hex digits
                 i += 1
             c["id"] = cid
         seen.add(c.get("id"))

@@ -22,9 +22,12 @@ def configure(text: str, url: str, branch: str, pages_url: str = "") -> str:
             return text.rstrip("\n") + f"\n\n{section}:\n  {key}: {value}\n"
         body = block.group(1)
         line = re.compile(rf"^(\s+){key}:.*$", re.M)
-        body = line.sub(lambda m: f"{m.group(1)}{key}: {value}", body, count=1) if line.search(body) \
+        body = (
+            line.sub(lambda m: f"{m.group(1)}{key}: {value}", body, count=1)
+            if line.search(body)
             else f"  {key}: {value}\n" + body
-        return text[:block.start(1)] + body + text[block.end(1):]
+        )
+        return text[: block.start(1)] + body + text[block.end(1) :]
 
     text = set_key(text, "repository", "url", url.rstrip("/"))
     text = set_key(text, "repository", "branch", branch)
@@ -39,7 +42,9 @@ def main(argv):
         return 2
     cfg = ROOT / "_config.yml"
     cfg.write_text(configure(cfg.read_text(), *argv))
-    return subprocess.call([sys.executable, str(ROOT / "tools" / "sync_setup_cells.py")])
+    return subprocess.call(
+        [sys.executable, str(ROOT / "tools" / "sync_setup_cells.py")]
+    )
 
 
 if __name__ == "__main__":

@@ -39,14 +39,21 @@ TIMEOUT = 900  # per cell, as _config.yml's execute.timeout
 
 def chapters() -> list[pathlib.Path]:
     toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
-    files = [toc["root"]] + [e["file"] for part in toc.get("parts", []) for e in part.get("chapters", [])]
+    files = [toc["root"]] + [
+        e["file"] for part in toc.get("parts", []) for e in part.get("chapters", [])
+    ]
     return [ROOT / f"{f}.ipynb" for f in files if (ROOT / f"{f}.ipynb").exists()]
 
 
 def stamp() -> str:
     h = hashlib.sha256()
-    for path in sorted((ROOT / "kernels").rglob("*.py")) + [ROOT / "pyproject.toml", ROOT / "requirements.txt"]:
-        h.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
+    for path in sorted((ROOT / "kernels").rglob("*.py")) + [
+        ROOT / "pyproject.toml",
+        ROOT / "requirements.txt",
+    ]:
+        h.update(
+            str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes() + b"\0"
+        )
     versions = [sys.version]
     for dist in ("torch", "triton", "numpy"):
         try:
@@ -63,14 +70,22 @@ def execute(path: pathlib.Path, nb, executor, read):
     from nbclient.exceptions import CellExecutionError, CellTimeoutError
 
     def once(nb):
-        return executor(nb, cwd=str(path.parent), timeout=TIMEOUT, allow_errors=False,
-                        meta_override=True)
+        return executor(
+            nb,
+            cwd=str(path.parent),
+            timeout=TIMEOUT,
+            allow_errors=False,
+            meta_override=True,
+        )
 
     result = once(nb)
-    if result.err is not None and not isinstance(result.err, (CellExecutionError,
-                                                              CellTimeoutError)):
-        print(f"  {path.name}: the kernel failed outside any cell "
-              f"({type(result.err).__name__}: {result.err}); executing it again")
+    if result.err is not None and not isinstance(
+        result.err, (CellExecutionError, CellTimeoutError)
+    ):
+        print(
+            f"  {path.name}: the kernel failed outside any cell "
+            f"({type(result.err).__name__}: {result.err}); executing it again"
+        )
         nb = read(path)
         result = once(nb)
     return nb, result
@@ -78,7 +93,9 @@ def execute(path: pathlib.Path, nb, executor, read):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--force", action="store_true", help="clear the cache and execute every chapter")
+    p.add_argument(
+        "--force", action="store_true", help="clear the cache and execute every chapter"
+    )
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     a = p.parse_args(argv)
     if a.jobs > 1:
@@ -92,8 +109,12 @@ def main(argv=None) -> int:
     from jupyter_cache.executors.utils import single_nb_execution
 
     want = stamp()
-    if a.force or (CACHE.exists() and (not STAMP.exists() or STAMP.read_text() != want)):
-        print("execute_chapters: kernels/, the requirements or the versions changed: cache cleared")
+    if a.force or (
+        CACHE.exists() and (not STAMP.exists() or STAMP.read_text() != want)
+    ):
+        print(
+            "execute_chapters: kernels/, the requirements or the versions changed: cache cleared"
+        )
         shutil.rmtree(CACHE, ignore_errors=True)
     CACHE.mkdir(parents=True, exist_ok=True)
     cache = get_cache(str(CACHE))
@@ -106,12 +127,18 @@ def main(argv=None) -> int:
             cache.match_cache_notebook(nb)
         except KeyError:
             todo.append((path, nb))
-    print(f"execute_chapters: {len(todo)} of {len(chapters())} chapters to execute, {a.jobs} at a time")
+    print(
+        f"execute_chapters: {len(todo)} of {len(chapters())} chapters to execute, {a.jobs} at a time"
+    )
 
     def run(item):
         path, nb = item
-        return (path, *execute(path, nb, single_nb_execution,
-                               lambda p: nbformat.read(p, as_version=4)))
+        return (
+            path,
+            *execute(
+                path, nb, single_nb_execution, lambda p: nbformat.read(p, as_version=4)
+            ),
+        )
 
     failed = []
     start = time.time()
@@ -119,11 +146,16 @@ def main(argv=None) -> int:
         for path, nb, result in pool.map(run, todo):
             rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
             if result.err is not None:
-                failed.append(f"{rel}: {type(result.err).__name__}\n{result.exc_string}")
+                failed.append(
+                    f"{rel}: {type(result.err).__name__}\n{result.exc_string}"
+                )
                 print(f"  {rel}: FAILED after {result.time:.1f} s")
                 continue
-            cache.cache_notebook_bundle(CacheBundleIn(nb, str(path), data={"execution_seconds": result.time}),
-                                        check_validity=False, overwrite=True)
+            cache.cache_notebook_bundle(
+                CacheBundleIn(nb, str(path), data={"execution_seconds": result.time}),
+                check_validity=False,
+                overwrite=True,
+            )
             # New outputs for an unchanged source: a newer mtime makes Sphinx's incremental build
             # read the chapter again (it compares mtimes), so the HTML shows what just ran.
             os.utime(path)

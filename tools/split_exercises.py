@@ -32,13 +32,17 @@ def _blocks(text):
         j = i + 1
         while j < len(lines) and lines[j].rstrip() != fence:
             j += 1
-        out.append((kind, lines[i + 1:j], m.group(3)))
+        out.append((kind, lines[i + 1 : j], m.group(3)))
         i = j + 1
     return out
 
 
 def _cell(kind, source):
-    c = {"cell_type": kind, "metadata": {}, "source": source.strip("\n").splitlines(keepends=True)}
+    c = {
+        "cell_type": kind,
+        "metadata": {},
+        "source": source.strip("\n").splitlines(keepends=True),
+    }
     if kind == "code":
         c.update(execution_count=None, outputs=[])
     return c
@@ -64,7 +68,12 @@ def _solution_cells(body, label):
             cells.append(_cell("code", "\n".join(code)))
             continue
         (code if in_code else prose).append(line)
-    cells.append(_cell("markdown", pending + "\n".join(prose).strip("\n") + "\n\n```{solution-end}\n```"))
+    cells.append(
+        _cell(
+            "markdown",
+            pending + "\n".join(prose).strip("\n") + "\n\n```{solution-end}\n```",
+        )
+    )
     return cells
 
 
@@ -85,7 +94,12 @@ def split(path):
                 new.append(_cell("markdown", "\n".join(text)))
             text = []
             if kind == "exercise":
-                new.append(_cell("markdown", "```{exercise} " + header + "\n" + "\n".join(lines) + "\n```"))
+                new.append(
+                    _cell(
+                        "markdown",
+                        "```{exercise} " + header + "\n" + "\n".join(lines) + "\n```",
+                    )
+                )
             else:
                 new.extend(_solution_cells(lines, header.strip()))
         if text and "".join(text).strip():

@@ -21,7 +21,10 @@ def book_modules() -> list[str]:
     pyproject.toml (distribution names that are also the module names)."""
     text = (ROOT / "pyproject.toml").read_text()
     extra = re.search(r"^book\s*=\s*\[(.*?)\]", text, re.M | re.S).group(1)
-    names = [re.match(r"[A-Za-z0-9_.-]+", d).group(0) for d in re.findall(r'"([^"]+)"', extra)]
+    names = [
+        re.match(r"[A-Za-z0-9_.-]+", d).group(0)
+        for d in re.findall(r'"([^"]+)"', extra)
+    ]
     return ["normbook"] + [n.lower().replace("-", "_") for n in names]
 
 
@@ -68,8 +71,12 @@ DEVICE, DTYPE = setup()"""
 
 def setup_source() -> str:
     pip = pip_target()
-    cut = pip.index("git+") + len("git+")  # two string pieces keep the cell within 88 columns
-    return TEMPLATE.format(pip_a=pip[:cut], pip_b=pip[cut:], needs=json.dumps(book_modules()))
+    cut = pip.index("git+") + len(
+        "git+"
+    )  # two string pieces keep the cell within 88 columns
+    return TEMPLATE.format(
+        pip_a=pip[:cut], pip_b=pip[cut:], needs=json.dumps(book_modules())
+    )
 
 
 def chapters():
@@ -82,8 +89,15 @@ FIRST_LINE = "# Set-up."  # also matches the older cells ("# Set-up. In Colab: .
 def setup_indices(nb) -> list[int]:
     """Cells that are (or were) the set-up cell: tagged "setup", or starting with its first line
     (a jupytext round trip can drop the tag and comment out the indented %pip line)."""
-    return [i for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code" and (
-        "setup" in c.get("metadata", {}).get("tags", []) or "".join(c["source"]).startswith(FIRST_LINE))]
+    return [
+        i
+        for i, c in enumerate(nb["cells"])
+        if c["cell_type"] == "code"
+        and (
+            "setup" in c.get("metadata", {}).get("tags", [])
+            or "".join(c["source"]).startswith(FIRST_LINE)
+        )
+    ]
 
 
 def sync(path: pathlib.Path, check: bool) -> bool:
@@ -91,21 +105,34 @@ def sync(path: pathlib.Path, check: bool) -> bool:
     want = setup_source()
     found = setup_indices(nb)
     i = found[0] if found else None
-    ok = len(found) == 1 and "".join(nb["cells"][i]["source"]) == want \
+    ok = (
+        len(found) == 1
+        and "".join(nb["cells"][i]["source"]) == want
         and nb["cells"][i]["metadata"].get("tags") == TAGS
+    )
     if ok:
         return True
     if check:
         return False
     for j in reversed(found[1:]):  # stale copies
         del nb["cells"][j]
-    cell = {"cell_type": "code", "execution_count": None, "id": "setup", "metadata": {"tags": TAGS},
-            "outputs": [], "source": want.splitlines(keepends=True)}
+    cell = {
+        "cell_type": "code",
+        "execution_count": None,
+        "id": "setup",
+        "metadata": {"tags": TAGS},
+        "outputs": [],
+        "source": want.splitlines(keepends=True),
+    }
     if i is None:
-        first_md = next((j for j, c in enumerate(nb["cells"]) if c["cell_type"] == "markdown"), -1)
+        first_md = next(
+            (j for j, c in enumerate(nb["cells"]) if c["cell_type"] == "markdown"), -1
+        )
         nb["cells"].insert(first_md + 1, cell)
     else:
-        cell["id"] = nb["cells"][i].get("id", "setup")  # keep the id: smaller diffs, fewer conflicts
+        cell["id"] = nb["cells"][i].get(
+            "id", "setup"
+        )  # keep the id: smaller diffs, fewer conflicts
         nb["cells"][i] = cell
     path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
     return True
@@ -115,5 +142,9 @@ if __name__ == "__main__":
     check = "--check" in sys.argv
     bad = [p.name for p in chapters() if not sync(p, check)]
     if bad:
-        print("set-up cell out of date in:", ", ".join(bad), "(run python tools/sync_setup_cells.py)")
+        print(
+            "set-up cell out of date in:",
+            ", ".join(bad),
+            "(run python tools/sync_setup_cells.py)",
+        )
         sys.exit(1)

@@ -7,36 +7,48 @@ kernel is defined).
 Every kernel is checked against the float64 formulas in :mod:`normbook.reference`.
 """
 
-# noqa: F401  (first: sets the interpreter)
+# _runtime first: it sets Triton's interpreter before any kernel is defined.
 from ._runtime import DEVICE, HAS_CUDA, INTERPRET, default_dtype, device_name
-from .rms_norm import rms_norm  # noqa: F401
-from .qk_norm_rope import qk_norm_rope  # noqa: F401
-from .fused_add_rms_norm import fused_add_rms_norm  # noqa: F401
-from .layer_norm import layer_norm  # noqa: F401
-from .row_stats import row_variance  # noqa: F401
-from .softmax import softmax  # noqa: F401
-from .cross_entropy import cross_entropy  # noqa: F401
-from .attention import attention  # noqa: F401
-from .sampling import sample  # noqa: F401
-from .swiglu import swiglu  # noqa: F401
-from .linear_cross_entropy import linear_cross_entropy  # noqa: F401
-# decoding (issue 19)
-from .decode_attention import decode_attention  # noqa: F401
-from .speculative import speculative_sample  # noqa: F401
+from .attention import attention
+from .cross_entropy import cross_entropy
+from .decode_attention import decode_attention
+from .fused_add_rms_norm import fused_add_rms_norm
+from .layer_norm import layer_norm
+from .linear_cross_entropy import linear_cross_entropy
+from .qk_norm_rope import qk_norm_rope
+from .rms_norm import rms_norm
+from .row_stats import row_variance
+from .sampling import sample
+from .softmax import softmax
+from .speculative import speculative_sample
+from .swiglu import swiglu
 
 __all__ = [
-    "DEVICE", "HAS_CUDA", "INTERPRET", "default_dtype", "device_name",
-    "rms_norm", "layer_norm", "fused_add_rms_norm", "qk_norm_rope", "row_variance",
-    "softmax", "cross_entropy", "attention", "sample",
-    "swiglu", "linear_cross_entropy",
-    "decode_attention", "speculative_sample",
+    "DEVICE",
+    "HAS_CUDA",
+    "INTERPRET",
+    "default_dtype",
+    "device_name",
+    "rms_norm",
+    "layer_norm",
+    "fused_add_rms_norm",
+    "qk_norm_rope",
+    "row_variance",
+    "softmax",
+    "cross_entropy",
+    "attention",
+    "sample",
+    "swiglu",
+    "linear_cross_entropy",
+    "decode_attention",
+    "speculative_sample",
 ]
 
 
 def __getattr__(name):
     # normbook.hf (the transformers integration) loads on first use, so that
-    # ``import normbook; normbook.hf.patch(model)`` works while ``import normbook`` alone
-    # imports no transformers (normbook.hf itself imports it only when patching).
+    # ``import normbook; normbook.hf.patch(model)`` works while ``import normbook``
+    # alone imports no transformers (normbook.hf imports it only when patching).
     if name == "hf":
         import importlib
 

@@ -63,10 +63,11 @@ LAUNCH = {"enable_fp_fusion": False}
 # from M: the shape of a tile decides how the GPU splits a row's sum over threads, so a
 # configuration that followed M would give a row different bits in a batch of 1 and a
 # batch of 4096 (batch invariance). The limits keep every variant free of register
-# spills and above one CTA per SM (python -m normbook.lab.inspector): a single-block row tile
-# holds at most RMS_FWD_MAX_BLOCK elements in the forward (x only) and RMS_BWD_MAX_BLOCK
-# in the backward (x, dy, γ and the dγ partial sums at once), spread over 16 warps: at
-# most 16 (forward) or 8 (backward) fp32 values per thread and per array.
+# spills and above one CTA per SM (python -m normbook.lab.inspector): a single-block
+# row tile holds at most RMS_FWD_MAX_BLOCK elements in the forward (x only) and
+# RMS_BWD_MAX_BLOCK in the backward (x, dy, γ and the dγ partial sums at once), spread
+# over 16 warps: at most 16 (forward) or 8 (backward) fp32 values per thread and per
+# array.
 RMS_FWD_MAX_BLOCK = 8192
 RMS_BWD_MAX_BLOCK = 4096
 # Wider rows: the forward loops over blocks of RMS_LOOP_BLOCK_N; the backward sweeps
@@ -84,13 +85,15 @@ def rms_config(N: int, element_size: int, backward: bool = False) -> RowConfig:
     A function of N and the element size only (see above). fp64 (gradient checks) halves
     the single-block limit: its values take two registers each."""
     block_n = triton.next_power_of_2(max(N, 1))
-    limit = (RMS_BWD_MAX_BLOCK if backward
-             else RMS_FWD_MAX_BLOCK) // max(1, element_size // 4)
+    limit = (RMS_BWD_MAX_BLOCK if backward else RMS_FWD_MAX_BLOCK) // max(
+        1, element_size // 4
+    )
     single = block_n <= limit
     if not single:
         block_n = RMS_BWD_COL_BLOCK if backward else RMS_LOOP_BLOCK_N
-    block_m = max(MIN_TILE // block_n, 1) if single else (RMS_BWD_COL_ROWS if backward
-                                                          else 1)
+    block_m = (
+        max(MIN_TILE // block_n, 1) if single else (RMS_BWD_COL_ROWS if backward else 1)
+    )
     # The single-block backward holds x, dy, γ and the dγ partials: at 16 warps triton
     # 3.6's ptxas spilled 8 B at N = 2048 (fp16/bf16); 8 warps spill on neither 3.6 nor
     # 3.9.
@@ -116,5 +119,8 @@ def rms_split(N: int, element_size: int) -> bool:
     normbook.rms_norm.split_launches): rows too wide for one block and of at least
     RMS_SPLIT_MIN_BYTES. A function of N and the element size only, never of M (see
     above)."""
-    return (N > 0 and not rms_config(N, element_size).SINGLE_BLOCK
-            and N * element_size >= RMS_SPLIT_MIN_BYTES)
+    return (
+        N > 0
+        and not rms_config(N, element_size).SINGLE_BLOCK
+        and N * element_size >= RMS_SPLIT_MIN_BYTES
+    )

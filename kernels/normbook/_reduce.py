@@ -53,8 +53,14 @@ def partial_traffic_bytes(G: int, N: int, acc_size: int = 4) -> int:
     return 2 * G * N * acc_size
 
 
-def num_partials_within(num_tiles: int, N: int, essential_bytes: int, acc_size: int = 4,
-                        col_blocks: int = 1, sms: int | None = None) -> int:
+def num_partials_within(
+    num_tiles: int,
+    N: int,
+    essential_bytes: int,
+    acc_size: int = 4,
+    col_blocks: int = 1,
+    sms: int | None = None,
+) -> int:
     """Rows of partial sums for a backward whose essential traffic is
     ``essential_bytes``.
 
@@ -63,8 +69,9 @@ def num_partials_within(num_tiles: int, N: int, essential_bytes: int, acc_size: 
     (``PROGRAMS_PER_SM`` per SM, counting the ``col_blocks`` programs that share a row
     of partial sums) or the row tiles there are. ``sms`` overrides the device's SM count
     (for byte-count tests of other GPUs)."""
-    budget = int(MAX_PARTIAL_SHARE * essential_bytes) // partial_traffic_bytes(1, N,
-                                                                               acc_size)
+    budget = int(MAX_PARTIAL_SHARE * essential_bytes) // partial_traffic_bytes(
+        1, N, acc_size
+    )
     if sms is None and DEVICE.type == "cuda" and not INTERPRET:
         sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     if sms is None:
@@ -76,9 +83,12 @@ def num_partials_within(num_tiles: int, N: int, essential_bytes: int, acc_size: 
 
 @triton.jit
 def _sum_partials(
-    P, Out,                     # pointers: (G, N) partial sums, (N,) result
-    G, N,                       # rows of partial sums, columns
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    P,
+    Out,  # pointers: (G, N) partial sums, (N,) result
+    G,
+    N,  # rows of partial sums, columns
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -88,8 +98,9 @@ def _sum_partials(
     for g0 in range(0, G, BLOCK_G):
         g = g0 + tl.arange(0, BLOCK_G)
         mask = (g < G)[:, None] & col_mask[None, :]
-        acc += tl.load(P + g.to(tl.int64)[:, None] * N + cols[None, :], mask=mask,
-                       other=0.0)
+        acc += tl.load(
+            P + g.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0
+        )
     # One fixed reduction tree over the BLOCK_G lanes, one rounding to the parameter's
     # dtype.
     total = tl.sum(acc, axis=0)
@@ -109,6 +120,7 @@ def sum_partials(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # give few.
     block_n = min(triton.next_power_of_2(N), 256 if not INTERPRET else 4096)
     block_g = min(triton.next_power_of_2(G), max(1, 4096 // block_n))
-    _sum_partials[(triton.cdiv(N, block_n),)](partial, out, G, N, BLOCK_G=block_g,
-                                              BLOCK_N=block_n, **LAUNCH)
+    _sum_partials[(triton.cdiv(N, block_n),)](
+        partial, out, G, N, BLOCK_G=block_g, BLOCK_N=block_n, **LAUNCH
+    )
     return out

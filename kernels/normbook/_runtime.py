@@ -2,8 +2,8 @@
 CPU.
 
 Triton reads ``TRITON_INTERPRET`` when ``@triton.jit`` decorates a function, so this
-module must be imported before any kernel is defined. ``kernels/normbook/__init__.py`` imports it
-first.
+module must be imported before any kernel is defined. The package's ``__init__``
+imports it first.
 
 Something else may have imported Triton earlier (``transformers`` does): then Triton's
 own ``@jit`` library functions (``tl.sum``, ``tl.max``, ``tl.cdiv``, ...) were already
@@ -55,23 +55,30 @@ def _interpret_triton_library() -> int:
     def interpreted(value):
         # Exactly JITFunction (not a subclass) defined by Triton itself: leave user
         # kernels alone.
-        if type(value) is not JITFunction \
-                or not value.fn.__module__.startswith("triton."):
+        if type(value) is not JITFunction or not value.fn.__module__.startswith(
+            "triton."
+        ):
             return None
         if id(value) not in rebuilt:
             rebuilt[id(value)] = InterpretedFunction(value.fn)
         return rebuilt[id(value)]
 
-    modules = [m for name, m in list(sys.modules.items())
-               if m is not None and (name == "triton.language"
-                                     or name.startswith("triton.language."))]
+    modules = [
+        m
+        for name, m in list(sys.modules.items())
+        if m is not None
+        and (name == "triton.language" or name.startswith("triton.language."))
+    ]
     namespaces = []
     for module in modules:
         namespaces.append(module)
         # Classes of triton.language carry jit functions as methods (tensor.sum =
         # tl.sum).
-        namespaces.extend(v for v in vars(module).values()
-                          if isinstance(v, type) and v.__module__ == module.__name__)
+        namespaces.extend(
+            v
+            for v in vars(module).values()
+            if isinstance(v, type) and v.__module__ == module.__name__
+        )
     for ns in namespaces:
         for name, value in list(vars(ns).items()):
             new = interpreted(value)

@@ -24,8 +24,10 @@ def check_input(x, name: str = "x") -> None:
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be {_NAMES}, got {x.dtype}")
     if x.dim() == 0:
-        raise ValueError(f"{name} must have at least one dimension (the one to "
-                         "normalize), got a scalar")
+        raise ValueError(
+            f"{name} must have at least one dimension (the one to "
+            "normalize), got a scalar"
+        )
     check_device(x, name)
 
 
@@ -34,18 +36,24 @@ def check_device(t: torch.Tensor, name: str) -> None:
     tensor on ``cuda:1`` is launched on ``cuda:1``, see ``_runtime.device_guard``; the
     CPU in the interpreter)."""
     if t.device.type != DEVICE.type:
-        hint = ("move it with .cuda()" if DEVICE.type == "cuda"
-                else "no GPU is available here; use a CPU tensor")
-        raise ValueError(f"{name} is on {t.device}, but the kernels run on "
-                         f"{DEVICE.type}: {hint}")
+        hint = (
+            "move it with .cuda()"
+            if DEVICE.type == "cuda"
+            else "no GPU is available here; use a CPU tensor"
+        )
+        raise ValueError(
+            f"{name} is on {t.device}, but the kernels run on {DEVICE.type}: {hint}"
+        )
 
 
 def check_same_device(name: str, t, like_name: str, like) -> None:
     """``t`` and ``like`` are on one device, index included (``cuda:0`` and ``cuda:1``
     differ): a kernel reads every pointer on the device it is launched on."""
     if t.device != like.device:
-        raise ValueError(f"{name} is on {t.device} but {like_name} is on "
-                         f"{like.device}; put them on one device")
+        raise ValueError(
+            f"{name} is on {t.device} but {like_name} is on "
+            f"{like.device}; put them on one device"
+        )
 
 
 def check_param(p, name: str, n: int, like: torch.Tensor) -> None:
@@ -54,13 +62,16 @@ def check_param(p, name: str, n: int, like: torch.Tensor) -> None:
     if p is None:
         return
     if not isinstance(p, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor or None, "
-                        f"got {type(p).__name__}")
+        raise TypeError(
+            f"{name} must be a torch.Tensor or None, got {type(p).__name__}"
+        )
     if p.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be {_NAMES}, got {p.dtype}")
     if tuple(p.shape) != (n,):
-        raise ValueError(f"{name} must have shape ({n},) to match the last dimension "
-                         f"of x, got {tuple(p.shape)}")
+        raise ValueError(
+            f"{name} must have shape ({n},) to match the last dimension "
+            f"of x, got {tuple(p.shape)}"
+        )
     check_same_device(name, p, "x", like)
 
 
@@ -88,15 +99,20 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
         return x.reshape(-1, x.shape[-1])
 
 
-def check_like(t: torch.Tensor, name: str, like: torch.Tensor,
-               like_name: str = "x") -> None:
+def check_like(
+    t: torch.Tensor, name: str, like: torch.Tensor, like_name: str = "x"
+) -> None:
     """A second input that must match ``like`` exactly: same shape, dtype and device
     (e.g. a residual)."""
     check_input(t, name)
     if t.shape != like.shape:
-        raise ValueError(f"{name} must have the same shape as {like_name}, "
-                         f"{tuple(like.shape)}, got {tuple(t.shape)}")
+        raise ValueError(
+            f"{name} must have the same shape as {like_name}, "
+            f"{tuple(like.shape)}, got {tuple(t.shape)}"
+        )
     if t.dtype != like.dtype:
-        raise TypeError(f"{name} must have the same dtype as {like_name}, "
-                        f"{like.dtype}, got {t.dtype}")
+        raise TypeError(
+            f"{name} must have the same dtype as {like_name}, "
+            f"{like.dtype}, got {t.dtype}"
+        )
     check_same_device(name, t, like_name, like)

@@ -62,23 +62,53 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453  # log(x) = log2(x) · ln 2
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 128
-ALIGNMENTS = {True: "bottom_right", "bottom_right": "bottom_right",
-              "top_left": "top_left"}
+ALIGNMENTS = {
+    True: "bottom_right",
+    "bottom_right": "bottom_right",
+    "top_left": "top_left",
+}
 
 
 @triton.jit
 def _attention_fwd(
-    Q, K, V, O, Tiles, LSE,         # pointers: inputs, output, tiles visited, L
-    sqb, sqh, sqm, sqd,             # strides of Q (batch, head, seq, dim), in elements
-    skb, skh, skn, skd,             # strides of K
-    svb, svh, svn, svd,             # strides of V
-    sob, soh, som,                  # strides of O (contiguous in dim)
-    H, GROUP, seq_q, seq_k, D,      # q heads, q heads per k/v head, lengths, head_dim
+    Q,
+    K,
+    V,
+    O,
+    Tiles,
+    LSE,  # pointers: inputs, output, tiles visited, L
+    sqb,
+    sqh,
+    sqm,
+    sqd,  # strides of Q (batch, head, seq, dim), in elements
+    skb,
+    skh,
+    skn,
+    skd,  # strides of K
+    svb,
+    svh,
+    svn,
+    svd,  # strides of V
+    sob,
+    soh,
+    som,  # strides of O (contiguous in dim)
+    H,
+    GROUP,
+    seq_q,
+    seq_k,
+    D,  # q heads, q heads per k/v head, lengths, head_dim
     # scale·log2(e); causal diagonal offset; window (keys per query)
-    qk_scale, offset, window,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, SAVE_LSE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    qk_scale,
+    offset,
+    window,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    SAVE_LSE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     tile_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -92,8 +122,11 @@ def _attention_fwd(
     dims = tl.arange(0, BLOCK_D)
     row_ok = rows < seq_q
     dim_ok = dims < D  # head_dim padded up to a power of two >= 16 (tl.dot's minimum)
-    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqm + dims[None, :] * sqd,
-                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    q = tl.load(
+        Q + b * sqb + h * sqh + rows[:, None] * sqm + dims[None, :] * sqd,
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
     if UPCAST:
         # the interpreter's bf16 dot is broken; fp32 holds bf16 exactly
         q = q.to(tl.float32)
@@ -122,14 +155,19 @@ def _attention_fwd(
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < seq_k
-        kt = tl.load(k_base + cols[None, :] * skn + dims[:, None] * skd,
-                     # K tile, transposed
-                     mask=col_ok[None, :] & dim_ok[:, None], other=0.0)
+        kt = tl.load(
+            k_base + cols[None, :] * skn + dims[:, None] * skd,
+            # K tile, transposed
+            mask=col_ok[None, :] & dim_ok[:, None],
+            other=0.0,
+        )
         if UPCAST:
             kt = kt.to(tl.float32)
         # Scores in base 2: s·log2(e), so that exp2 gives exp(s).
-        s = tl.dot(q, kt, input_precision=DOT_PRECISION,
-                   out_dtype=tl.float32) * qk_scale
+        s = (
+            tl.dot(q, kt, input_precision=DOT_PRECISION, out_dtype=tl.float32)
+            * qk_scale
+        )
         keep = col_ok[None, :] & row_ok[:, None]
         if CAUSAL:
             keep = keep & (cols[None, :] <= rows[:, None] + offset)
@@ -145,15 +183,19 @@ def _attention_fwd(
         alpha = tl.exp2(m - m_use)
         p = tl.exp2(s - m_use[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        vt = tl.load(v_base + cols[:, None] * svn + dims[None, :] * svd,
-                     mask=col_ok[:, None] & dim_ok[None, :], other=0.0)
+        vt = tl.load(
+            v_base + cols[:, None] * svn + dims[None, :] * svd,
+            mask=col_ok[:, None] & dim_ok[None, :],
+            other=0.0,
+        )
         # P is rounded to V's dtype for the tensor-core product, as FlashAttention does.
         p_low = round_to(p, V.dtype.element_ty)
         if UPCAST:
             p_low = p_low.to(tl.float32)
             vt = vt.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p_low, vt, input_precision=DOT_PRECISION,
-                                            out_dtype=tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(
+            p_low, vt, input_precision=DOT_PRECISION, out_dtype=tl.float32
+        )
         m = m_new
         visited += 1
 
@@ -167,18 +209,29 @@ def _attention_fwd(
     # Normalize once at the end.
     out = acc / l_pos[:, None]
     o_ptr = O + b * sob + h * soh + rows[:, None] * som + dims[None, :]
-    tl.store(o_ptr, round_to(out, O.dtype.element_ty),
-             mask=row_ok[:, None] & dim_ok[None, :])
+    tl.store(
+        o_ptr, round_to(out, O.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :]
+    )
     tl.store(Tiles + bh.to(tl.int64) * tl.num_programs(0) + tile_m, visited)
 
 
 @triton.jit
 def _attention_bwd_preprocess(
-    O, DO, Delta,                   # pointers: saved output, its gradient, D (fp32)
-    sob, soh, som,                  # strides of O (contiguous in dim)
-    sdob, sdoh, sdom, sdod,         # strides of dO
-    H, seq_q, D,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    O,
+    DO,
+    Delta,  # pointers: saved output, its gradient, D (fp32)
+    sob,
+    soh,
+    som,  # strides of O (contiguous in dim)
+    sdob,
+    sdoh,
+    sdom,
+    sdod,  # strides of dO
+    H,
+    seq_q,
+    D,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     tile_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -188,10 +241,14 @@ def _attention_bwd_preprocess(
     dims = tl.arange(0, BLOCK_D)
     row_ok = rows < seq_q
     ok = row_ok[:, None] & (dims < D)[None, :]
-    o = tl.load(O + b * sob + h * soh + rows[:, None] * som + dims[None, :],
-                mask=ok, other=0.0)
-    do = tl.load(DO + b * sdob + h * sdoh + rows[:, None] * sdom + dims[None, :] * sdod,
-                 mask=ok, other=0.0)
+    o = tl.load(
+        O + b * sob + h * soh + rows[:, None] * som + dims[None, :], mask=ok, other=0.0
+    )
+    do = tl.load(
+        DO + b * sdob + h * sdoh + rows[:, None] * sdom + dims[None, :] * sdod,
+        mask=ok,
+        other=0.0,
+    )
     # D_i = Σ_d dO_id O_id = Σ_j P_ij dP_ij: the ⟨dy, p⟩ of the softmax backward, one a
     # row, from O (head_dim numbers) instead of from P (seq_k numbers).
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
@@ -200,17 +257,49 @@ def _attention_bwd_preprocess(
 
 @triton.jit
 def _attention_bwd_dkdv(
-    Q, K, V, DO, LSE, Delta, DK, DV,  # pointers: inputs, dO, the forward's L, D; dK, dV
-    sqb, sqh, sqm, sqd,             # strides of Q (batch, head, seq, dim), in elements
-    skb, skh, skn, skd,             # strides of K
-    svb, svh, svn, svd,             # strides of V
-    sdob, sdoh, sdom, sdod,         # strides of dO
-    sdkb, sdkh, sdkn,               # strides of dK and dV (one layout, dim contiguous)
-    H, GROUP, seq_q, seq_k, D,      # q heads, q heads per k/v head, lengths, head_dim
-    qk_scale, scale, offset, window,  # scale·log2(e), scale; causal offset; window
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    Delta,
+    DK,
+    DV,  # pointers: inputs, dO, the forward's L, D; dK, dV
+    sqb,
+    sqh,
+    sqm,
+    sqd,  # strides of Q (batch, head, seq, dim), in elements
+    skb,
+    skh,
+    skn,
+    skd,  # strides of K
+    svb,
+    svh,
+    svn,
+    svd,  # strides of V
+    sdob,
+    sdoh,
+    sdom,
+    sdod,  # strides of dO
+    sdkb,
+    sdkh,
+    sdkn,  # strides of dK and dV (one layout, dim contiguous)
+    H,
+    GROUP,
+    seq_q,
+    seq_k,
+    D,  # q heads, q heads per k/v head, lengths, head_dim
+    qk_scale,
+    scale,
+    offset,
+    window,  # scale·log2(e), scale; causal offset; window
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     # One program owns BLOCK_N keys of one k/v head and every query that sees them.
     tile_n = tl.program_id(0)
@@ -224,10 +313,16 @@ def _attention_bwd_dkdv(
     col_ok = cols < seq_k
     dim_ok = dims < D
     kv_ok = col_ok[:, None] & dim_ok[None, :]
-    k = tl.load(K + b * skb + h_kv * skh + cols[:, None] * skn + dims[None, :] * skd,
-                mask=kv_ok, other=0.0)
-    v = tl.load(V + b * svb + h_kv * svh + cols[:, None] * svn + dims[None, :] * svd,
-                mask=kv_ok, other=0.0)
+    k = tl.load(
+        K + b * skb + h_kv * skh + cols[:, None] * skn + dims[None, :] * skd,
+        mask=kv_ok,
+        other=0.0,
+    )
+    v = tl.load(
+        V + b * svb + h_kv * svh + cols[:, None] * svn + dims[None, :] * svd,
+        mask=kv_ok,
+        other=0.0,
+    )
     if UPCAST:
         # the interpreter's bf16 dot is broken; fp32 holds bf16 exactly (and on sm_75
         # it takes fewer registers than the half-precision FMA path)
@@ -256,10 +351,16 @@ def _attention_bwd_dkdv(
         for start in range(lo, hi, BLOCK_M):
             rows = start + tl.arange(0, BLOCK_M)
             row_ok = rows < seq_q
-            qt = tl.load(q_base + rows[None, :] * sqm + dims[:, None] * sqd,  # Qᵀ tile
-                         mask=row_ok[None, :] & dim_ok[:, None], other=0.0)
-            do = tl.load(do_base + rows[:, None] * sdom + dims[None, :] * sdod,
-                         mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+            qt = tl.load(
+                q_base + rows[None, :] * sqm + dims[:, None] * sqd,  # Qᵀ tile
+                mask=row_ok[None, :] & dim_ok[:, None],
+                other=0.0,
+            )
+            do = tl.load(
+                do_base + rows[:, None] * sdom + dims[None, :] * sdod,
+                mask=row_ok[:, None] & dim_ok[None, :],
+                other=0.0,
+            )
             if UPCAST:
                 qt = qt.to(tl.float32)
                 do = do.to(tl.float32)
@@ -280,17 +381,23 @@ def _attention_bwd_dkdv(
             pt_low = round_to(pt, V.dtype.element_ty)
             if UPCAST:
                 pt_low = pt_low.to(tl.float32)
-            dv += tl.dot(pt_low, do, input_precision=DOT_PRECISION,
-                         out_dtype=tl.float32)
+            dv += tl.dot(
+                pt_low, do, input_precision=DOT_PRECISION, out_dtype=tl.float32
+            )
             # dPᵀ = V dOᵀ; dSᵀ = Pᵀ ∘ (dPᵀ − D): the softmax backward p ∘ (dy − ⟨dy,p⟩)
-            dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION,
-                         out_dtype=tl.float32)
+            dpt = tl.dot(
+                v, tl.trans(do), input_precision=DOT_PRECISION, out_dtype=tl.float32
+            )
             dst = pt * (dpt - delta[None, :])
             dst_low = round_to(dst, Q.dtype.element_ty)
             if UPCAST:
                 dst_low = dst_low.to(tl.float32)
-            dk += tl.dot(dst_low, tl.trans(qt), input_precision=DOT_PRECISION,
-                         out_dtype=tl.float32)
+            dk += tl.dot(
+                dst_low,
+                tl.trans(qt),
+                input_precision=DOT_PRECISION,
+                out_dtype=tl.float32,
+            )
     # S = scale · Q Kᵀ, so dK = scale · dSᵀ Q (the scale once, at the end).
     dk = dk * scale
     out = DK + b * sdkb + h_kv * sdkh + cols[:, None] * sdkn + dims[None, :]
@@ -301,17 +408,48 @@ def _attention_bwd_dkdv(
 
 @triton.jit
 def _attention_bwd_dq(
-    Q, K, V, DO, LSE, Delta, DQ,    # pointers: inputs, dO, the forward's L, D; output
-    sqb, sqh, sqm, sqd,             # strides of Q (batch, head, seq, dim), in elements
-    skb, skh, skn, skd,             # strides of K
-    svb, svh, svn, svd,             # strides of V
-    sdob, sdoh, sdom, sdod,         # strides of dO
-    sdqb, sdqh, sdqm,               # strides of dQ (contiguous in dim)
-    H, GROUP, seq_q, seq_k, D,      # q heads, q heads per k/v head, lengths, head_dim
-    qk_scale, scale, offset, window,  # scale·log2(e), scale; causal offset; window
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    Delta,
+    DQ,  # pointers: inputs, dO, the forward's L, D; output
+    sqb,
+    sqh,
+    sqm,
+    sqd,  # strides of Q (batch, head, seq, dim), in elements
+    skb,
+    skh,
+    skn,
+    skd,  # strides of K
+    svb,
+    svh,
+    svn,
+    svd,  # strides of V
+    sdob,
+    sdoh,
+    sdom,
+    sdod,  # strides of dO
+    sdqb,
+    sdqh,
+    sdqm,  # strides of dQ (contiguous in dim)
+    H,
+    GROUP,
+    seq_q,
+    seq_k,
+    D,  # q heads, q heads per k/v head, lengths, head_dim
+    qk_scale,
+    scale,
+    offset,
+    window,  # scale·log2(e), scale; causal offset; window
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     # One program owns BLOCK_M queries of one head and sums dQ over the keys they see,
     # in registers: no other program writes these rows, so no atomics and a fixed order.
@@ -327,10 +465,16 @@ def _attention_bwd_dq(
     row_ok = rows < seq_q
     dim_ok = dims < D
     q_ok = row_ok[:, None] & dim_ok[None, :]
-    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqm + dims[None, :] * sqd,
-                mask=q_ok, other=0.0)
-    do = tl.load(DO + b * sdob + h * sdoh + rows[:, None] * sdom + dims[None, :] * sdod,
-                 mask=q_ok, other=0.0)
+    q = tl.load(
+        Q + b * sqb + h * sqh + rows[:, None] * sqm + dims[None, :] * sqd,
+        mask=q_ok,
+        other=0.0,
+    )
+    do = tl.load(
+        DO + b * sdob + h * sdoh + rows[:, None] * sdom + dims[None, :] * sdod,
+        mask=q_ok,
+        other=0.0,
+    )
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
@@ -355,15 +499,19 @@ def _attention_bwd_dq(
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < seq_k
         kv_ok = col_ok[None, :] & dim_ok[:, None]
-        kt = tl.load(k_base + cols[None, :] * skn + dims[:, None] * skd,
-                     mask=kv_ok, other=0.0)
-        vt = tl.load(v_base + cols[None, :] * svn + dims[:, None] * svd,
-                     mask=kv_ok, other=0.0)
+        kt = tl.load(
+            k_base + cols[None, :] * skn + dims[:, None] * skd, mask=kv_ok, other=0.0
+        )
+        vt = tl.load(
+            v_base + cols[None, :] * svn + dims[:, None] * svd, mask=kv_ok, other=0.0
+        )
         if UPCAST:
             kt = kt.to(tl.float32)
             vt = vt.to(tl.float32)
-        s = tl.dot(q, kt, input_precision=DOT_PRECISION,
-                   out_dtype=tl.float32) * qk_scale
+        s = (
+            tl.dot(q, kt, input_precision=DOT_PRECISION, out_dtype=tl.float32)
+            * qk_scale
+        )
         keep = col_ok[None, :] & row_ok[:, None]
         if CAUSAL:
             keep = keep & (cols[None, :] <= rows[:, None] + offset)
@@ -375,8 +523,9 @@ def _attention_bwd_dq(
         ds_low = round_to(ds, Q.dtype.element_ty)
         if UPCAST:
             ds_low = ds_low.to(tl.float32)
-        dq += tl.dot(ds_low, tl.trans(kt), input_precision=DOT_PRECISION,
-                     out_dtype=tl.float32)
+        dq += tl.dot(
+            ds_low, tl.trans(kt), input_precision=DOT_PRECISION, out_dtype=tl.float32
+        )
     dq = dq * scale  # S = scale · Q Kᵀ, so dQ = scale · dS K
     out = DQ + b * sdqb + h * sdqh + rows[:, None] * sdqm + dims[None, :]
     tl.store(out, round_to(dq, DQ.dtype.element_ty), mask=q_ok)
@@ -397,8 +546,9 @@ def tile_config(head_dim: int, dtype: torch.dtype, capability=None):
     """
     # tl.dot needs every dimension >= 16
     block_d = max(16, triton.next_power_of_2(head_dim))
-    tensor_cores = dtype != torch.float32 and (capability is None
-                                               or capability >= (8, 0))
+    tensor_cores = dtype != torch.float32 and (
+        capability is None or capability >= (8, 0)
+    )
     if tensor_cores:
         if block_d > 64:
             return 64, 32, block_d, 4  # 8 warps: held to 128 registers on sm_80: spills
@@ -415,12 +565,13 @@ def bwd_tile_config(head_dim: int, dtype: torch.dtype, capability=None, kernel="
     The dK/dV program holds four key-side tiles (k, v, dk, dv: BLOCK_N × BLOCK_D) for
     its whole life and two query-side tiles per step; the dQ program the reverse. Each
     keeps its long-lived side the larger one. Chosen for 0 spills on sm_90, sm_80 and
-    sm_75 in ``python -m normbook.lab.inspector`` (tests/test_inspect.py; head_dim 128, Triton
-    3.9). On sm_75 the tiles are multiplied in fp32 (see ``_backward``).
+    sm_75 in ``python -m normbook.lab.inspector`` (tests/test_inspect.py; head_dim 128,
+    Triton 3.9). On sm_75 the tiles are multiplied in fp32 (see ``_backward``).
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
-    tensor_cores = dtype != torch.float32 and (capability is None
-                                               or capability >= (8, 0))
+    tensor_cores = dtype != torch.float32 and (
+        capability is None or capability >= (8, 0)
+    )
     if tensor_cores:
         owned, step, warps = (64, 32, 4) if block_d <= 64 else (64, 16, 8)
     elif block_d > 64:
@@ -450,63 +601,81 @@ def _check(q, k, v, causal, scale, window):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in DTYPES:
-            raise TypeError(f"{name} must be float32, float16 or bfloat16, got "
-                            f"{t.dtype}")
+            raise TypeError(
+                f"{name} must be float32, float16 or bfloat16, got {t.dtype}"
+            )
         if t.dim() != 4:
-            raise ValueError(f"{name} must have 4 dimensions (batch, heads, seq, "
-                             "head_dim), "
-                             f"got shape {tuple(t.shape)}")
+            raise ValueError(
+                f"{name} must have 4 dimensions (batch, heads, seq, "
+                "head_dim), "
+                f"got shape {tuple(t.shape)}"
+            )
         _validate.check_device(t, name)
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise TypeError(f"{name} must have q's dtype, {q.dtype}, got {t.dtype}")
         if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; put "
-                             "them on one device")
+            raise ValueError(
+                f"{name} is on {t.device} but q is on {q.device}; put "
+                "them on one device"
+            )
         if t.shape[0] != q.shape[0]:
-            raise ValueError(f"{name} must have q's batch size, {q.shape[0]}, got "
-                             f"{t.shape[0]}")
+            raise ValueError(
+                f"{name} must have q's batch size, {q.shape[0]}, got {t.shape[0]}"
+            )
         if t.shape[3] != q.shape[3]:
-            raise ValueError(f"{name} must have q's head_dim, {q.shape[3]}, got "
-                             f"{t.shape[3]}")
+            raise ValueError(
+                f"{name} must have q's head_dim, {q.shape[3]}, got {t.shape[3]}"
+            )
     if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
-        raise ValueError(f"v must have k's heads and seq_k, {tuple(k.shape[1:3])}, "
-                         f"got {tuple(v.shape[1:3])}")
+        raise ValueError(
+            f"v must have k's heads and seq_k, {tuple(k.shape[1:3])}, "
+            f"got {tuple(v.shape[1:3])}"
+        )
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
-        raise ValueError(f"k and v heads ({k.shape[1]}) must divide q's heads "
-                         f"({q.shape[1]}): "
-                         "grouped-query attention shares each k/v head among a group "
-                         "of q heads")
+        raise ValueError(
+            f"k and v heads ({k.shape[1]}) must divide q's heads "
+            f"({q.shape[1]}): "
+            "grouped-query attention shares each k/v head among a group "
+            "of q heads"
+        )
     if not 1 <= q.shape[3] <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be between 1 and {MAX_HEAD_DIM}, got "
-                         f"{q.shape[3]}")
+        raise ValueError(
+            f"head_dim must be between 1 and {MAX_HEAD_DIM}, got {q.shape[3]}"
+        )
     if isinstance(causal, bool):
         alignment = ALIGNMENTS[True] if causal else None
     elif isinstance(causal, str) and causal in ALIGNMENTS:
         alignment = ALIGNMENTS[causal]
     else:
-        raise ValueError(f"causal must be False, True, 'bottom_right' or 'top_left', "
-                         f"got {causal!r}")
+        raise ValueError(
+            f"causal must be False, True, 'bottom_right' or 'top_left', got {causal!r}"
+        )
     if scale is None:
         scale = q.shape[3] ** -0.5
     elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a real number or None, got "
-                        f"{type(scale).__name__}")
+        raise TypeError(
+            f"scale must be a real number or None, got {type(scale).__name__}"
+        )
     scale = float(scale)
     if not abs(scale) < float("inf"):
         raise ValueError(f"scale must be finite, got {scale}")
     if window is not None:
         if isinstance(window, bool) or not isinstance(window, numbers.Integral):
-            raise TypeError(f"window must be an int or None, got "
-                            f"{type(window).__name__}")
+            raise TypeError(
+                f"window must be an int or None, got {type(window).__name__}"
+            )
         if window < 1:
-            raise ValueError(f"window must be >= 1 (keys each query sees), "
-                             f"got {window}")
+            raise ValueError(
+                f"window must be >= 1 (keys each query sees), got {window}"
+            )
         if alignment is None:
-            raise ValueError("window needs causal: a sliding window limits how far "
-                             "back a "
-                             "causal query looks (window=W: itself and the W - 1 keys "
-                             "before)")
+            raise ValueError(
+                "window needs causal: a sliding window limits how far "
+                "back a "
+                "causal query looks (window=W: itself and the W - 1 keys "
+                "before)"
+            )
         window = int(window)
     return alignment, scale, window
 
@@ -535,14 +704,33 @@ def _forward(q, k, v, alignment, scale, window, save_lse=False):
     offset = seq_k - seq_q if alignment == "bottom_right" else 0
     with device_guard(q):
         _attention_fwd[grid](
-            q, k, v, out, visited, lse if save_lse else out,  # out: a placeholder
-            *q.stride(), *k.stride(), *v.stride(), *out.stride()[:3],
-            H, H // H_kv, seq_q, seq_k, D,
-            scale * LOG2E, offset, window or 0,
-            CAUSAL=alignment is not None, WINDOW=window is not None,
-            UPCAST=INTERPRET, DOT_PRECISION="ieee",  # fp32 products, not TF32
+            q,
+            k,
+            v,
+            out,
+            visited,
+            lse if save_lse else out,  # out: a placeholder
+            *q.stride(),
+            *k.stride(),
+            *v.stride(),
+            *out.stride()[:3],
+            H,
+            H // H_kv,
+            seq_q,
+            seq_k,
+            D,
+            scale * LOG2E,
+            offset,
+            window or 0,
+            CAUSAL=alignment is not None,
+            WINDOW=window is not None,
+            UPCAST=INTERPRET,
+            DOT_PRECISION="ieee",  # fp32 products, not TF32
             SAVE_LSE=save_lse,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, num_warps=num_warps,
+            BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N,
+            BLOCK_D=BLOCK_D,
+            num_warps=num_warps,
             **LAUNCH,
         )
     return out, visited, lse
@@ -569,31 +757,73 @@ def _backward(do, q, k, v, out, lse, alignment, scale, window, needs=(True,) * 3
     # (products of fp16/bf16 numbers are exact in fp32, so nothing changes but the
     # registers: the half-precision FMA path needed 255 registers and spilled).
     upcast = INTERPRET or (cap is not None and cap < (8, 0))
-    common = dict(CAUSAL=alignment is not None, WINDOW=window is not None,
-                  UPCAST=upcast, DOT_PRECISION="ieee", **LAUNCH)
+    common = dict(
+        CAUSAL=alignment is not None,
+        WINDOW=window is not None,
+        UPCAST=upcast,
+        DOT_PRECISION="ieee",
+        **LAUNCH,
+    )
     strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
     sizes = (H, H // H_kv, seq_q, seq_k, D, scale * LOG2E, scale, offset, window or 0)
     delta = torch.empty((B, H, seq_q), dtype=torch.float32, device=q.device)
     BLOCK_M, _, BLOCK_D, num_warps = tile_config(D, q.dtype, cap)
     with device_guard(q):
         _attention_bwd_preprocess[(triton.cdiv(seq_q, BLOCK_M), B * H)](
-            out, do, delta, *out.stride()[:3], *do.stride(), H, seq_q, D,
-            BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, num_warps=num_warps, **LAUNCH,
+            out,
+            do,
+            delta,
+            *out.stride()[:3],
+            *do.stride(),
+            H,
+            seq_q,
+            D,
+            BLOCK_M=BLOCK_M,
+            BLOCK_D=BLOCK_D,
+            num_warps=num_warps,
+            **LAUNCH,
         )
         if want_kv:
-            BLOCK_M, BLOCK_N, BLOCK_D, num_warps = bwd_tile_config(D, q.dtype, cap,
-                                                                   "dkdv")
+            BLOCK_M, BLOCK_N, BLOCK_D, num_warps = bwd_tile_config(
+                D, q.dtype, cap, "dkdv"
+            )
             _attention_bwd_dkdv[(triton.cdiv(seq_k, BLOCK_N), B * H_kv)](
-                q, k, v, do, lse, delta, dk, dv, *strides, *dk.stride()[:3], *sizes,
-                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, num_warps=num_warps,
+                q,
+                k,
+                v,
+                do,
+                lse,
+                delta,
+                dk,
+                dv,
+                *strides,
+                *dk.stride()[:3],
+                *sizes,
+                BLOCK_M=BLOCK_M,
+                BLOCK_N=BLOCK_N,
+                BLOCK_D=BLOCK_D,
+                num_warps=num_warps,
                 **common,
             )
         if want_q:
-            BLOCK_M, BLOCK_N, BLOCK_D, num_warps = bwd_tile_config(D, q.dtype, cap,
-                                                                   "dq")
+            BLOCK_M, BLOCK_N, BLOCK_D, num_warps = bwd_tile_config(
+                D, q.dtype, cap, "dq"
+            )
             _attention_bwd_dq[(triton.cdiv(seq_q, BLOCK_M), B * H)](
-                q, k, v, do, lse, delta, dq, *strides, *dq.stride()[:3], *sizes,
-                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, num_warps=num_warps,
+                q,
+                k,
+                v,
+                do,
+                lse,
+                delta,
+                dq,
+                *strides,
+                *dq.stride()[:3],
+                *sizes,
+                BLOCK_M=BLOCK_M,
+                BLOCK_N=BLOCK_N,
+                BLOCK_D=BLOCK_D,
+                num_warps=num_warps,
                 **common,
             )
     return dq, dk, dv
@@ -614,8 +844,9 @@ class AttentionFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, do):
         q, k, v, out, lse = ctx.saved_tensors
-        grads = _backward(do, q, k, v, out, lse, *ctx.args,
-                          needs=ctx.needs_input_grad[:3])
+        grads = _backward(
+            do, q, k, v, out, lse, *ctx.args, needs=ctx.needs_input_grad[:3]
+        )
         return (*grads, None, None, None)
 
 

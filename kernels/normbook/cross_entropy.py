@@ -29,8 +29,13 @@ import triton
 import triton.language as tl
 
 from . import _validate
-from ._config import (LAUNCH, LOOP_BLOCK_N, MIN_TILE, accumulation_dtype,
-                      tl_accumulation_dtype)
+from ._config import (
+    LAUNCH,
+    LOOP_BLOCK_N,
+    MIN_TILE,
+    accumulation_dtype,
+    tl_accumulation_dtype,
+)
 from ._runtime import device_guard
 from ._triton_utils import round_to
 
@@ -40,11 +45,18 @@ REDUCTIONS = ("mean", "sum", "none")
 @triton.jit
 def _cross_entropy_fwd(
     # pointers: logits, targets, per-row loss and log-sum-exp (ACC)
-    X, T, Loss, Lse,
-    stride_x,                   # distance between rows of logits, in elements
+    X,
+    T,
+    Loss,
+    Lse,
+    stride_x,  # distance between rows of logits, in elements
     # rows, vocabulary size, the target value that means "skip"
-    M, V, ignore_index,
-    ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    M,
+    V,
+    ignore_index,
+    ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
@@ -80,11 +92,21 @@ def _cross_entropy_fwd(
 @triton.jit
 def _cross_entropy_bwd(
     # pointers: logits, targets, saved lse, per-row upstream grad, dx
-    X, T, Lse, G, DX,
+    X,
+    T,
+    Lse,
+    G,
+    DX,
     # row strides; stride_g = 0 broadcasts one value to every row
-    stride_x, stride_g, stride_dx,
-    M, V, ignore_index,
-    ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_x,
+    stride_g,
+    stride_dx,
+    M,
+    V,
+    ignore_index,
+    ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
@@ -96,16 +118,19 @@ def _cross_entropy_bwd(
     for off in range(0, V, BLOCK_N):
         cols = off + tl.arange(0, BLOCK_N)
         mask = row_mask[:, None] & (cols < V)[None, :]
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask,
-                    other=0.0).to(ACC)
+        x = tl.load(
+            X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0
+        ).to(ACC)
         # p recomputed from the saved lse: exp(x - lse) = softmax(x), never stored.
         p = tl.exp(x - lse[:, None])
         onehot = tl.where(cols[None, :] == t[:, None], 1.0, 0.0)
         # An ignored row has gradient 0, even if its logits hold NaN or Inf.
         dx = tl.where(keep[:, None], g[:, None] * (p - onehot), 0.0)
-        tl.store(DX + rows[:, None] * stride_dx + cols[None, :],
-                 round_to(dx, DX.dtype.element_ty),
-                 mask=mask)
+        tl.store(
+            DX + rows[:, None] * stride_dx + cols[None, :],
+            round_to(dx, DX.dtype.element_ty),
+            mask=mask,
+        )
 
 
 def _config(M: int, V: int):
@@ -128,15 +153,31 @@ def _forward(x2d: torch.Tensor, target: torch.Tensor, ignore_index: int):
     block_m, block_n, num_warps = _config(M, V)
     with device_guard(x2d):
         _cross_entropy_fwd[(triton.cdiv(M, block_m),)](
-            x2d, target, loss, lse, x2d.stride(0), M, V, ignore_index,
-            ACC=tl_accumulation_dtype(acc), BLOCK_M=block_m, BLOCK_N=block_n,
-            num_warps=num_warps, **LAUNCH,
+            x2d,
+            target,
+            loss,
+            lse,
+            x2d.stride(0),
+            M,
+            V,
+            ignore_index,
+            ACC=tl_accumulation_dtype(acc),
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            num_warps=num_warps,
+            **LAUNCH,
         )
     return loss, lse
 
 
-def _backward(x2d, target, lse, g: torch.Tensor, ignore_index: int,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+def _backward(
+    x2d,
+    target,
+    lse,
+    g: torch.Tensor,
+    ignore_index: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """dx = g_row · (softmax(x) - onehot(t)) for kept rows, 0 for ignored ones; ``g``
     has one element (broadcast to every row) or M. ``out=x2d`` overwrites the logits in
     place (each element is read, then written, by the same program in the same loop
@@ -149,16 +190,29 @@ def _backward(x2d, target, lse, g: torch.Tensor, ignore_index: int,
     stride_g = 0 if g.numel() == 1 else g.stride(0)
     with device_guard(x2d):
         _cross_entropy_bwd[(triton.cdiv(M, block_m),)](
-            x2d, target, lse, g, dx, x2d.stride(0), stride_g, dx.stride(0), M, V,
+            x2d,
+            target,
+            lse,
+            g,
+            dx,
+            x2d.stride(0),
+            stride_g,
+            dx.stride(0),
+            M,
+            V,
             ignore_index,
-            ACC=tl_accumulation_dtype(lse.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
-            num_warps=num_warps, **LAUNCH,
+            ACC=tl_accumulation_dtype(lse.dtype),
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            num_warps=num_warps,
+            **LAUNCH,
         )
     return dx
 
 
-def _reduce(loss: torch.Tensor, count: torch.Tensor, reduction: str,
-            dtype: torch.dtype):
+def _reduce(
+    loss: torch.Tensor, count: torch.Tensor, reduction: str, dtype: torch.dtype
+):
     """The per-row losses (accumulation dtype) reduced as asked, rounded once to
     ``dtype``."""
     if reduction == "none":
@@ -197,21 +251,29 @@ class CrossEntropyFunction(torch.autograd.Function):
 
 def _check_target(target, logits: torch.Tensor, ignore_index: int) -> None:
     if not isinstance(target, torch.Tensor):
-        raise TypeError(f"target must be a torch.Tensor of class indices, got "
-                        f"{type(target).__name__}")
+        raise TypeError(
+            f"target must be a torch.Tensor of class indices, got "
+            f"{type(target).__name__}"
+        )
     if target.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"target must hold class indices as int64 (or int32), got "
-                        f"{target.dtype}; "
-                        "class probabilities are not supported")
+        raise TypeError(
+            f"target must hold class indices as int64 (or int32), got "
+            f"{target.dtype}; "
+            "class probabilities are not supported"
+        )
     batch_shape = tuple(logits.shape[:-1])
     if tuple(target.shape) != batch_shape:
-        raise ValueError(f"target must have shape {batch_shape} (logits' shape without "
-                         "its "
-                         f"last dimension), got {tuple(target.shape)}")
+        raise ValueError(
+            f"target must have shape {batch_shape} (logits' shape without "
+            "its "
+            f"last dimension), got {tuple(target.shape)}"
+        )
     if target.device != logits.device:
-        raise ValueError(f"target is on {target.device} but logits is on "
-                         f"{logits.device}; "
-                         "put them on one device")
+        raise ValueError(
+            f"target is on {target.device} but logits is on "
+            f"{logits.device}; "
+            "put them on one device"
+        )
     check_target_range(target, logits.shape[-1], ignore_index)
 
 
@@ -221,13 +283,19 @@ def check_target_range(target: torch.Tensor, V: int, ignore_index: int) -> None:
     bad = ((target < 0) | (target >= V)) & (target != ignore_index)
     if target.numel() and bool(bad.any()):
         first = target[bad].reshape(-1)[0].item()
-        raise ValueError(f"target must hold class indices in [0, {V - 1}] or "
-                         f"ignore_index ({ignore_index}), got {first}")
+        raise ValueError(
+            f"target must hold class indices in [0, {V - 1}] or "
+            f"ignore_index ({ignore_index}), got {first}"
+        )
 
 
-def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *,
-                  ignore_index: int = -100,
-                  reduction: str = "mean") -> torch.Tensor:
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> torch.Tensor:
     r"""Cross-entropy of ``logits`` against class indices ``target``, as
     ``F.cross_entropy``.
 
@@ -258,15 +326,19 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *,
     """
     _validate.check_input(logits, "logits")
     if logits.dim() > 2:
-        raise ValueError(f"logits must be (M, V) or (V,), got {logits.dim()} "
-                         "dimensions; "
-                         "flatten the leading ones first: logits.view(-1, V)")
+        raise ValueError(
+            f"logits must be (M, V) or (V,), got {logits.dim()} "
+            "dimensions; "
+            "flatten the leading ones first: logits.view(-1, V)"
+        )
     if logits.shape[-1] == 0:
-        raise ValueError("logits must have at least one class "
-                         "(its last dimension is 0)")
+        raise ValueError(
+            "logits must have at least one class (its last dimension is 0)"
+        )
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
-        raise TypeError(f"ignore_index must be an int, got "
-                        f"{type(ignore_index).__name__}")
+        raise TypeError(
+            f"ignore_index must be an int, got {type(ignore_index).__name__}"
+        )
     ignore_index = int(ignore_index)
     if not isinstance(reduction, str) or reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")

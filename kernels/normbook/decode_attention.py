@@ -65,18 +65,45 @@ def _visible_keys(n, Sq, window, WINDOW: tl.constexpr):
 
 @triton.jit
 def _decode_split(
-    Q, K, V, Lens, Table, MidAcc, MidM, MidL,   # inputs; partial states (fp32)
-    sqb, sqh, sqm, sqd,                          # strides of Q (batch, head, seq, dim)
+    Q,
+    K,
+    V,
+    Lens,
+    Table,
+    MidAcc,
+    MidM,
+    MidL,  # inputs; partial states (fp32)
+    sqb,
+    sqh,
+    sqm,
+    sqd,  # strides of Q (batch, head, seq, dim)
     # strides of K (batch or block, head, slot, dim)
-    skb, skh, skn, skd,
-    svb, svh, svn, svd,                          # strides of V
-    stb,                                         # stride of the block table's rows
+    skb,
+    skh,
+    skn,
+    skd,
+    svb,
+    svh,
+    svn,
+    svd,  # strides of V
+    stb,  # stride of the block table's rows
     # R = GROUP·Sq query rows per (row, k/v head)
-    H_kv, GROUP, Sq, D, R, n_chunks,
-    qk_scale, window,                            # scale·log2(e); keys each query sees
-    PAGED: tl.constexpr, PAGE: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr,
+    H_kv,
+    GROUP,
+    Sq,
+    D,
+    R,
+    n_chunks,
+    qk_scale,
+    window,  # scale·log2(e); keys each query sees
+    PAGED: tl.constexpr,
+    PAGE: tl.constexpr,
+    WINDOW: tl.constexpr,
+    UPCAST: tl.constexpr,
     CHUNK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     chunk = tl.program_id(0)
     tile_m = tl.program_id(1)
@@ -97,8 +124,11 @@ def _decode_split(
     pos = n - Sq + i  # its position in the row; < 0 (sees nothing) only if n < Sq
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < D
-    q = tl.load(Q + b * sqb + h[:, None] * sqh + i[:, None] * sqm + dims[None, :] * sqd,
-                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    q = tl.load(
+        Q + b * sqb + h[:, None] * sqh + i[:, None] * sqm + dims[None, :] * sqd,
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
     if UPCAST:
         # the interpreter's bf16 dot is broken; fp32 holds bf16 exactly
         q = q.to(tl.float32)
@@ -121,8 +151,11 @@ def _decode_split(
         else:
             k_off = b * skb + cols.to(tl.int64) * skn
             v_off = b * svb + cols.to(tl.int64) * svn
-        kt = tl.load(K + h_kv * skh + k_off[None, :] + dims[:, None] * skd,
-                     mask=col_ok[None, :] & dim_ok[:, None], other=0.0)  # Kᵀ tile
+        kt = tl.load(
+            K + h_kv * skh + k_off[None, :] + dims[:, None] * skd,
+            mask=col_ok[None, :] & dim_ok[:, None],
+            other=0.0,
+        )  # Kᵀ tile
         if UPCAST:
             kt = kt.to(tl.float32)
         s = tl.dot(q, kt, input_precision="ieee", out_dtype=tl.float32) * qk_scale
@@ -136,32 +169,53 @@ def _decode_split(
         alpha = tl.exp2(m - m_use)
         p = tl.exp2(s - m_use[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        vt = tl.load(V + h_kv * svh + v_off[:, None] + dims[None, :] * svd,
-                     mask=col_ok[:, None] & dim_ok[None, :], other=0.0)
+        vt = tl.load(
+            V + h_kv * svh + v_off[:, None] + dims[None, :] * svd,
+            mask=col_ok[:, None] & dim_ok[None, :],
+            other=0.0,
+        )
         # P in V's dtype for the product, as FA does
         p_low = round_to(p, V.dtype.element_ty)
         if UPCAST:
             p_low = p_low.to(tl.float32)
             vt = vt.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p_low, vt, input_precision="ieee",
-                                            out_dtype=tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(
+            p_low, vt, input_precision="ieee", out_dtype=tl.float32
+        )
         m = m_new
 
     # The chunk's partial state, unnormalized: the merge rescales and divides once.
     state = (bh * n_chunks + chunk).to(tl.int64) * R + rows
     tl.store(MidM + state, m, mask=row_ok)
     tl.store(MidL + state, l, mask=row_ok)
-    tl.store(MidAcc + state[:, None] * D + dims[None, :], acc,
-             mask=row_ok[:, None] & dim_ok[None, :])
+    tl.store(
+        MidAcc + state[:, None] * D + dims[None, :],
+        acc,
+        mask=row_ok[:, None] & dim_ok[None, :],
+    )
 
 
 @triton.jit
 def _decode_merge(
-    MidAcc, MidM, MidL, Lens, O,
-    sob, soh, som,                               # strides of O (contiguous in dim)
-    H_kv, GROUP, Sq, D, R, n_chunks, window,
-    WINDOW: tl.constexpr, CHUNK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    MidAcc,
+    MidM,
+    MidL,
+    Lens,
+    O,
+    sob,
+    soh,
+    som,  # strides of O (contiguous in dim)
+    H_kv,
+    GROUP,
+    Sq,
+    D,
+    R,
+    n_chunks,
+    window,
+    WINDOW: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     tile_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -183,8 +237,9 @@ def _decode_merge(
         state = (bh * n_chunks + chunk).to(tl.int64) * R + rows
         m_c = tl.load(MidM + state, mask=row_ok, other=float("-inf"))
         l_c = tl.load(MidL + state, mask=row_ok, other=0.0)
-        acc_c = tl.load(MidAcc + state[:, None] * D + dims[None, :], mask=mask,
-                        other=0.0)
+        acc_c = tl.load(
+            MidAcc + state[:, None] * D + dims[None, :], mask=mask, other=0.0
+        )
         m_new = tl.maximum(m, m_c)
         # both empty: stay (-inf, 0, 0)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -214,6 +269,7 @@ def decode_config(head_dim: int, rows: int, dtype: torch.dtype, capability=None)
 
 # ---------------------------------------------------------------- arguments
 
+
 def _check_tensor(t, name):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -225,11 +281,13 @@ def _check(q, k_cache, v_cache, cache_seqlens, block_table, scale, window):
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tensor(t, name)
         if t.dtype not in DTYPES:
-            raise TypeError(f"{name} must be float32, float16 or bfloat16, got "
-                            f"{t.dtype}")
+            raise TypeError(
+                f"{name} must be float32, float16 or bfloat16, got {t.dtype}"
+            )
         if t.dim() != 4:
-            raise ValueError(f"{name} must have 4 dimensions, got shape "
-                             f"{tuple(t.shape)}")
+            raise ValueError(
+                f"{name} must have 4 dimensions, got shape {tuple(t.shape)}"
+            )
     B, H, Sq, D = q.shape
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != q.dtype:
@@ -238,64 +296,81 @@ def _check(q, k_cache, v_cache, cache_seqlens, block_table, scale, window):
         if t.shape[3] != D:
             raise ValueError(f"{name} must have q's head_dim, {D}, got {t.shape[3]}")
     if k_cache.shape != v_cache.shape:
-        raise ValueError(f"v_cache must have k_cache's shape, {tuple(k_cache.shape)}, "
-                         f"got {tuple(v_cache.shape)}")
+        raise ValueError(
+            f"v_cache must have k_cache's shape, {tuple(k_cache.shape)}, "
+            f"got {tuple(v_cache.shape)}"
+        )
     H_kv = k_cache.shape[1]
     if H_kv == 0 or H % H_kv != 0:
-        raise ValueError(f"k_cache's heads ({H_kv}) must divide q's heads ({H}): "
-                         "grouped-query attention shares each k/v head among a "
-                         "group of q heads")
+        raise ValueError(
+            f"k_cache's heads ({H_kv}) must divide q's heads ({H}): "
+            "grouped-query attention shares each k/v head among a "
+            "group of q heads"
+        )
     if not 1 <= D <= MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be between 1 and {MAX_HEAD_DIM}, got {D}")
     if Sq < 1:
-        raise ValueError("q must hold at least one new token per row (dimension 2), "
-                         f"got {Sq}")
+        raise ValueError(
+            f"q must hold at least one new token per row (dimension 2), got {Sq}"
+        )
     _check_tensor(cache_seqlens, "cache_seqlens")
     if cache_seqlens.dtype not in (torch.int32, torch.int64):
-        raise TypeError("cache_seqlens must be int32 or int64, got "
-                        f"{cache_seqlens.dtype}")
+        raise TypeError(
+            f"cache_seqlens must be int32 or int64, got {cache_seqlens.dtype}"
+        )
     if tuple(cache_seqlens.shape) != (B,):
-        raise ValueError(f"cache_seqlens must have shape ({B},), one length per row of "
-                         f"q, got {tuple(cache_seqlens.shape)}")
+        raise ValueError(
+            f"cache_seqlens must have shape ({B},), one length per row of "
+            f"q, got {tuple(cache_seqlens.shape)}"
+        )
     _validate.check_same_device("cache_seqlens", cache_seqlens, "q", q)
     if block_table is None:
         if k_cache.shape[0] != B:
-            raise ValueError(f"a contiguous k_cache must have q's batch size, {B}, "
-                             f"got {k_cache.shape[0]} (pass block_table for a paged "
-                             "cache)")
+            raise ValueError(
+                f"a contiguous k_cache must have q's batch size, {B}, "
+                f"got {k_cache.shape[0]} (pass block_table for a paged "
+                "cache)"
+            )
         capacity = k_cache.shape[2]
     else:
         _check_tensor(block_table, "block_table")
         if block_table.dtype != torch.int32:
             raise TypeError(f"block_table must be int32, got {block_table.dtype}")
         if block_table.dim() != 2 or block_table.shape[0] != B:
-            raise ValueError(f"block_table must have shape ({B}, max_blocks), got "
-                             f"{tuple(block_table.shape)}")
+            raise ValueError(
+                f"block_table must have shape ({B}, max_blocks), got "
+                f"{tuple(block_table.shape)}"
+            )
         _validate.check_same_device("block_table", block_table, "q", q)
         page = k_cache.shape[2]
         if page < 1:
             raise ValueError(f"block_size (k_cache.shape[2]) must be >= 1, got {page}")
         capacity = block_table.shape[1] * page
     if scale is None:
-        scale = D ** -0.5
+        scale = D**-0.5
     elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError("scale must be a real number or None, got "
-                        f"{type(scale).__name__}")
+        raise TypeError(
+            f"scale must be a real number or None, got {type(scale).__name__}"
+        )
     scale = float(scale)
     if not abs(scale) < float("inf"):
         raise ValueError(f"scale must be finite, got {scale}")
     if window is not None:
         if isinstance(window, bool) or not isinstance(window, numbers.Integral):
-            raise TypeError("window must be an int or None, got "
-                            f"{type(window).__name__}")
+            raise TypeError(
+                f"window must be an int or None, got {type(window).__name__}"
+            )
         if window < 1:
-            raise ValueError(f"window must be >= 1 (keys each query sees), "
-                             f"got {window}")
+            raise ValueError(
+                f"window must be >= 1 (keys each query sees), got {window}"
+            )
         window = int(window)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
-        raise NotImplementedError("normbook.decode_attention has no backward: q, "
-                                  "k_cache or v_cache requires grad (decoding needs "
-                                  "none; detach them)")
+        raise NotImplementedError(
+            "normbook.decode_attention has no backward: q, "
+            "k_cache or v_cache requires grad (decoding needs "
+            "none; detach them)"
+        )
     return scale, window, capacity
 
 
@@ -306,24 +381,40 @@ def _check_values(cache_seqlens, block_table, capacity, num_blocks):
     bad = [(n < 0).any(), (n > capacity).any()]
     if block_table is not None and block_table.numel():
         page = capacity // block_table.shape[1]
-        used = (torch.arange(block_table.shape[1], device=n.device)[None, :]
-                < ((n + page - 1) // page)[:, None])
+        used = (
+            torch.arange(block_table.shape[1], device=n.device)[None, :]
+            < ((n + page - 1) // page)[:, None]
+        )
         bad.append((used & ((block_table < 0) | (block_table >= num_blocks))).any())
     flags = torch.stack(bad).tolist()  # the one synchronization
     if flags[0]:
         raise ValueError(f"cache_seqlens must be >= 0, got {n.tolist()}")
     if flags[1]:
-        where = ("max_blocks · block_size" if block_table is not None
-                 else "k_cache.shape[2]")
-        raise ValueError(f"cache_seqlens must be <= the cache's capacity, {where} = "
-                         f"{capacity}, got a length of {int(n.max())}")
+        where = (
+            "max_blocks · block_size" if block_table is not None else "k_cache.shape[2]"
+        )
+        raise ValueError(
+            f"cache_seqlens must be <= the cache's capacity, {where} = "
+            f"{capacity}, got a length of {int(n.max())}"
+        )
     if len(flags) > 2 and flags[2]:
-        raise ValueError(f"block_table entries a row uses must be in [0, {num_blocks}) "
-                         "(k_cache.shape[0] blocks)")
+        raise ValueError(
+            f"block_table entries a row uses must be in [0, {num_blocks}) "
+            "(k_cache.shape[0] blocks)"
+        )
 
 
-def _forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, window, capacity,
-             chunk=KV_CHUNK):
+def _forward(
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    block_table,
+    scale,
+    window,
+    capacity,
+    chunk=KV_CHUNK,
+):
     """Launch on checked inputs. ``chunk`` is for tests (more chunks at interpreter
     sizes)."""
     B, H, Sq, D = q.shape
@@ -338,8 +429,9 @@ def _forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, window, cap
     # Enough chunk programs for the longest row the cache can hold; those past a row's
     # length return at once. The capacity sizes the grid, never the work a row does.
     n_chunks = max(triton.cdiv(capacity, chunk), 1)
-    mid_acc = torch.empty((B * H_kv, n_chunks, R, D), dtype=torch.float32,
-                          device=q.device)
+    mid_acc = torch.empty(
+        (B * H_kv, n_chunks, R, D), dtype=torch.float32, device=q.device
+    )
     mid_m = torch.empty((B * H_kv, n_chunks, R), dtype=torch.float32, device=q.device)
     mid_l = torch.empty_like(mid_m)
     paged = block_table is not None
@@ -347,27 +439,64 @@ def _forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, window, cap
     row_tiles = triton.cdiv(R, BLOCK_M)
     with device_guard(q):
         _decode_split[(n_chunks, row_tiles, B * H_kv)](
-            q, k_cache, v_cache, cache_seqlens, table, mid_acc, mid_m, mid_l,
-            *q.stride(), *k_cache.stride(), *v_cache.stride(),
+            q,
+            k_cache,
+            v_cache,
+            cache_seqlens,
+            table,
+            mid_acc,
+            mid_m,
+            mid_l,
+            *q.stride(),
+            *k_cache.stride(),
+            *v_cache.stride(),
             block_table.stride(0) if paged else 0,
-            H_kv, group, Sq, D, R, n_chunks, scale * LOG2E, window or 0,
-            PAGED=paged, PAGE=k_cache.shape[2] if paged else 1,
+            H_kv,
+            group,
+            Sq,
+            D,
+            R,
+            n_chunks,
+            scale * LOG2E,
+            window or 0,
+            PAGED=paged,
+            PAGE=k_cache.shape[2] if paged else 1,
             WINDOW=window is not None,
-            UPCAST=INTERPRET, CHUNK=chunk,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, num_warps=num_warps,
+            UPCAST=INTERPRET,
+            CHUNK=chunk,
+            BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N,
+            BLOCK_D=BLOCK_D,
+            num_warps=num_warps,
             **LAUNCH,
         )
         _decode_merge[(row_tiles, B * H_kv)](
-            mid_acc, mid_m, mid_l, cache_seqlens, out, *out.stride()[:3],
-            H_kv, group, Sq, D, R, n_chunks, window or 0,
-            WINDOW=window is not None, CHUNK=chunk, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
-            num_warps=4, **LAUNCH,
+            mid_acc,
+            mid_m,
+            mid_l,
+            cache_seqlens,
+            out,
+            *out.stride()[:3],
+            H_kv,
+            group,
+            Sq,
+            D,
+            R,
+            n_chunks,
+            window or 0,
+            WINDOW=window is not None,
+            CHUNK=chunk,
+            BLOCK_M=BLOCK_M,
+            BLOCK_D=BLOCK_D,
+            num_warps=4,
+            **LAUNCH,
         )
     return out
 
 
-def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
-                     scale=None, window=None):
+def decode_attention(
+    q, k_cache, v_cache, cache_seqlens, *, block_table=None, scale=None, window=None
+):
     r"""Attention of each row's ``S_q`` newest tokens over its KV cache (split-KV).
 
     Args:
@@ -403,10 +532,12 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
         block-table entry a row uses in ``[0, num_blocks)``) cost one host
         synchronization. NotImplementedError if an input requires grad.
     """
-    scale, window, capacity = _check(q, k_cache, v_cache, cache_seqlens, block_table,
-                                     scale, window)
+    scale, window, capacity = _check(
+        q, k_cache, v_cache, cache_seqlens, block_table, scale, window
+    )
     if q.numel() == 0:
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _check_values(cache_seqlens, block_table, capacity, k_cache.shape[0])
-    return _forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, window,
-                    capacity)
+    return _forward(
+        q, k_cache, v_cache, cache_seqlens, block_table, scale, window, capacity
+    )

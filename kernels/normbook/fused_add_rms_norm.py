@@ -24,24 +24,50 @@ import triton
 import triton.language as tl
 
 from . import _validate
-from ._config import (LAUNCH, accumulation_dtype, rms_config, rms_split,
-                      tl_accumulation_dtype)
+from ._config import (
+    LAUNCH,
+    accumulation_dtype,
+    rms_config,
+    rms_split,
+    tl_accumulation_dtype,
+)
 from ._runtime import device_guard
 from ._triton_utils import round_to
-from .rms_norm import (LLAMA, _backward, _normalize, _rstd, _square, check_convention,
-                       split_launches)
+from .rms_norm import (
+    LLAMA,
+    _backward,
+    _normalize,
+    _rstd,
+    _square,
+    check_convention,
+    split_launches,
+)
 
 
 @triton.jit
 def _fused_add_rms_norm_fwd(
     # pointers: input, residual, output, residual out (x + r), weight, 1/rms
-    X, R, Y, H, W, Rstd,
-    stride_x, stride_r, stride_y, stride_h,  # distance between rows, in elements
-    M, N, eps, offset,          # rows, row length, epsilon, γ' = offset + γ
+    X,
+    R,
+    Y,
+    H,
+    W,
+    Rstd,
+    stride_x,
+    stride_r,
+    stride_y,
+    stride_h,  # distance between rows, in elements
+    M,
+    N,
+    eps,
+    offset,  # rows, row length, epsilon, γ' = offset + γ
     # ACC: accumulation dtype, fp32 (fp64 for fp64 input)
-    HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr,
-    MODE: tl.constexpr,         # casting mode: 0 llama, 1 gemma, 2 none
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    ACC: tl.constexpr,
+    MODE: tl.constexpr,  # casting mode: 0 llama, 1 gemma, 2 none
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SINGLE_BLOCK: tl.constexpr,
 ):
     DT: tl.constexpr = H.dtype.element_ty
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -97,17 +123,28 @@ def _fused_add_rms_norm_fwd(
         w = h  # placeholder when there is no weight (never read)
         if HAS_WEIGHT:
             w = tl.load(W + cols, mask=cols < N, other=0.0).to(ACC)
-        tl.store(y_rows + cols[None, :],
-                 _normalize(h, rstd, w, offset, HAS_WEIGHT, DT, MODE), mask=mask)
+        tl.store(
+            y_rows + cols[None, :],
+            _normalize(h, rstd, w, offset, HAS_WEIGHT, DT, MODE),
+            mask=mask,
+        )
 
 
 @triton.jit
 def _fused_add_rms_norm_fwd_sums(
-    X, R, H,                    # input, residual, residual out (x + r)
-    stride_x, stride_r, stride_h,
-    Sums, N,                    # (M, N_BLOCKS) sums of squares of h (flat), row length
-    ACC: tl.constexpr, DT: tl.constexpr, MODE: tl.constexpr,
-    N_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr,
+    X,
+    R,
+    H,  # input, residual, residual out (x + r)
+    stride_x,
+    stride_r,
+    stride_h,
+    Sums,
+    N,  # (M, N_BLOCKS) sums of squares of h (flat), row length
+    ACC: tl.constexpr,
+    DT: tl.constexpr,
+    MODE: tl.constexpr,
+    N_BLOCKS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """The split forward's first launch (normbook.rms_norm.split_launches): h for one
     block of a row, stored, and its sum of squares; the second launch normalizes h."""
@@ -119,13 +156,20 @@ def _fused_add_rms_norm_fwd_sums(
     r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(ACC)
     h_low = round_to(x + r, DT)  # the norm sees the residual stream as stored
     tl.store(H + row * stride_h + cols, h_low, mask=mask)
-    tl.store(Sums + row * N_BLOCKS + block,
-             tl.sum(_square(h_low.to(ACC), DT, MODE), axis=0))
+    tl.store(
+        Sums + row * N_BLOCKS + block, tl.sum(_square(h_low.to(ACC), DT, MODE), axis=0)
+    )
 
 
-def _forward(x2d: torch.Tensor, r2d: torch.Tensor, weight, eps: float,
-             offset: float = 0.0,
-             mode: int = LLAMA, split=None):
+def _forward(
+    x2d: torch.Tensor,
+    r2d: torch.Tensor,
+    weight,
+    eps: float,
+    offset: float = 0.0,
+    mode: int = LLAMA,
+    split=None,
+):
     """Launch the kernel on (M, N) views; returns (y2d, h2d, rstd), rstd in the
     accumulation dtype. ``split``: None chooses from N and the dtype (rms_norm's
     rule); tests force it."""
@@ -140,19 +184,44 @@ def _forward(x2d: torch.Tensor, r2d: torch.Tensor, weight, eps: float,
     if split is None:
         split = rms_split(N, x2d.element_size())
     if split:
-        split_launches(h, y, weight, rstd, eps, offset, mode,
-                       _fused_add_rms_norm_fwd_sums,
-                       (x2d, r2d, h, x2d.stride(0), r2d.stride(0), h.stride(0)))
+        split_launches(
+            h,
+            y,
+            weight,
+            rstd,
+            eps,
+            offset,
+            mode,
+            _fused_add_rms_norm_fwd_sums,
+            (x2d, r2d, h, x2d.stride(0), r2d.stride(0), h.stride(0)),
+        )
         return y, h, rstd
     # dummy pointer when HAS_WEIGHT is False
     w = weight.contiguous() if weight is not None else x2d
     with device_guard(x2d):
         _fused_add_rms_norm_fwd[(triton.cdiv(M, cfg.BLOCK_M),)](
-            x2d, r2d, y, h, w, rstd,
-            x2d.stride(0), r2d.stride(0), y.stride(0), h.stride(0), M, N, eps, offset,
-            HAS_WEIGHT=weight is not None, ACC=tl_accumulation_dtype(acc), MODE=mode,
-            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, SINGLE_BLOCK=cfg.SINGLE_BLOCK,
-            num_warps=cfg.num_warps, **LAUNCH,
+            x2d,
+            r2d,
+            y,
+            h,
+            w,
+            rstd,
+            x2d.stride(0),
+            r2d.stride(0),
+            y.stride(0),
+            h.stride(0),
+            M,
+            N,
+            eps,
+            offset,
+            HAS_WEIGHT=weight is not None,
+            ACC=tl_accumulation_dtype(acc),
+            MODE=mode,
+            BLOCK_M=cfg.BLOCK_M,
+            BLOCK_N=cfg.BLOCK_N,
+            SINGLE_BLOCK=cfg.SINGLE_BLOCK,
+            num_warps=cfg.num_warps,
+            **LAUNCH,
         )
     return y, h, rstd
 
@@ -167,9 +236,9 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
         ctx.offset = offset
         # an unused output's gradient stays None: nothing to read
         ctx.set_materialize_grads(False)
-        y, h, rstd = _forward(_validate.as_rows(x), _validate.as_rows(residual), weight,
-                              eps,
-                              offset, mode)
+        y, h, rstd = _forward(
+            _validate.as_rows(x), _validate.as_rows(residual), weight, eps, offset, mode
+        )
         ctx.save_for_backward(h, weight, rstd)
         return y.view(x.shape), h.view(x.shape)
 
@@ -183,8 +252,9 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
             dw = torch.zeros_like(weight) if weight is not None and need_dw else None
             return dh, dh, dw, None, None, None
         dh2d = None if dh is None else _validate.as_rows(dh)
-        dx, dw = _backward(_validate.as_rows(dy), h2d, weight, rstd, need_dw,
-                           ctx.offset, dh2d)
+        dx, dw = _backward(
+            _validate.as_rows(dy), h2d, weight, rstd, need_dw, ctx.offset, dh2d
+        )
         dx = dx.view(ctx.x_shape)
         # h = x + residual: the same gradient for both (autograd's AddBackward does the
         # same).
@@ -192,9 +262,13 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
-    eps: float = 1e-6, *,
-    offset: float = 0.0, casting_mode: str = "llama",
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float = 1e-6,
+    *,
+    offset: float = 0.0,
+    casting_mode: str = "llama",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""Add the residual and RMS-normalize the sum, in one pass: returns ``(y,
     residual_out)``.
@@ -232,8 +306,11 @@ def fused_add_rms_norm(
     if x.numel() == 0:
         y = torch.empty_like(x, memory_format=torch.contiguous_format)
         h = torch.empty_like(x, memory_format=torch.contiguous_format)
-        wants_grad = x.requires_grad or residual.requires_grad or (
-            weight is not None and weight.requires_grad)
+        wants_grad = (
+            x.requires_grad
+            or residual.requires_grad
+            or (weight is not None and weight.requires_grad)
+        )
         if torch.is_grad_enabled() and wants_grad:
             # Keep the graph: dx, dr empty and dγ (an empty sum) zero, through autograd
             # itself.
@@ -242,10 +319,14 @@ def fused_add_rms_norm(
                 zero = zero + (weight * 0).sum()
             y, h = y + zero, h + zero
         return y, h
-    if torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or (
-            weight is not None and weight.requires_grad)):
+    if torch.is_grad_enabled() and (
+        x.requires_grad
+        or residual.requires_grad
+        or (weight is not None and weight.requires_grad)
+    ):
         y, h = FusedAddRMSNormFunction.apply(x, residual, weight, eps, offset, mode)
         return y, h
-    y, h, _ = _forward(_validate.as_rows(x), _validate.as_rows(residual), weight, eps,
-                       offset, mode)
+    y, h, _ = _forward(
+        _validate.as_rows(x), _validate.as_rows(residual), weight, eps, offset, mode
+    )
     return y.view(x.shape), h.view(x.shape)

@@ -29,9 +29,9 @@ get logits.
 
 Not patched, and why: Gemma 3's MLP (GELU-tanh, a GeGLU: no kernel here); a model whose
 config sets logit soft-capping (``final_logit_softcapping``: the loss,
-``attn_logit_softcapping``: the attention; normbook.attention has no soft-cap) runs those
-parts on transformers' code; so does attention with dropout in training, bidirectional
-attention, or ``output_attentions``.
+``attn_logit_softcapping``: the attention; normbook.attention has no soft-cap) runs
+those parts on transformers' code; so does attention with dropout in training,
+bidirectional attention, or ``output_attentions``.
 
 Masks: normbook.attention takes no mask tensor, so the patched attention compares
 transformers' mask with the causal (and sliding-window) pattern once per forward and
@@ -48,10 +48,6 @@ the module's own code for that call instead of a wrong or gradient-less answer:
 
 * a norm whose weight dtype differs from the input's (transformers would promote the
   product to the wider dtype; the kernels return the input's dtype);
-* a kernel that has no backward yet, while gradients are needed (it is probed once, on a
-  tiny input: as soon as the kernel gains an ``autograd.Function`` it is used in
-  training too; this is how attention trains on transformers' code until
-  normbook.attention has a backward);
 * q and k norms with different ``eps``, or rotary tables in another dtype than q.
 
 Not fused: the residual add *after* the MLP with the next layer's ``input_layernorm``.
@@ -64,7 +60,6 @@ are patched as norms, not fused.
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import sys
 import types
@@ -73,9 +68,8 @@ import weakref
 import torch
 from torch import nn
 
-# noqa: F401  (the interpreter is set up before anything below imports triton)
-from . import _runtime
-from .attention import DTYPES as ATTENTION_DTYPES, MAX_HEAD_DIM, attention
+from .attention import DTYPES as ATTENTION_DTYPES
+from .attention import MAX_HEAD_DIM, attention
 from .fused_add_rms_norm import fused_add_rms_norm
 from .linear_cross_entropy import _linear_cross_entropy
 from .qk_norm_rope import MAX_FUSED_BYTES, qk_norm_rope
@@ -111,36 +105,10 @@ def _is_transformers_class(module: nn.Module, names) -> bool:
     return cls.__name__ in names and cls.__module__.startswith("transformers.models.")
 
 
-# ---------------------------------------------------------------- what the kernels can
-# do today
-
-
-@functools.cache
-def _differentiable(name: str) -> bool:
-    """Probe once, on a tiny input, whether a fused kernel keeps gradients (has a
-    backward)."""
-    # the kernel module's own
-    fn = getattr(importlib.import_module(f"normbook.{name}"), name)
-    with torch.enable_grad():
-        if name == "attention":
-            q = torch.randn(1, 1, 2, 16, device=_runtime.DEVICE, requires_grad=True)
-            try:
-                y = fn(q, q.detach(), q.detach(), causal=True)
-            except NotImplementedError:  # "no backward yet"
-                return False
-        elif name == "fused_add_rms_norm":
-            x = torch.randn(2, 4, device=_runtime.DEVICE, requires_grad=True)
-            y, _ = fn(x, torch.randn(2, 4, device=_runtime.DEVICE), None)
-        else:
-            q = torch.randn(1, 1, 1, 4, device=_runtime.DEVICE, requires_grad=True)
-            c = torch.ones(1, 1, 4, device=_runtime.DEVICE)
-            y, _ = fn(q, q.detach(), None, None, c, 0 * c)
-    return y.grad_fn is not None
-
-
 def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                           for t in tensors)
+    return torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in tensors
+    )
 
 
 # ---------------------------------------------------------------- the patched forwards
@@ -163,8 +131,9 @@ def _gemma_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     dtype."""
     if hidden_states.dtype != self.weight.dtype:
         return type(self).forward(self, hidden_states)
-    return rms_norm(hidden_states, self.weight, _norm_eps(self), offset=1.0,
-                    casting_mode="gemma")
+    return rms_norm(
+        hidden_states, self.weight, _norm_eps(self), offset=1.0, casting_mode="gemma"
+    )
 
 
 def _pop_cache(cache, kwargs):
@@ -181,22 +150,34 @@ def _pop_cache(cache, kwargs):
 def _cache_name(fn) -> str:
     """The name under which ``fn`` (a transformers forward) takes the KV cache."""
     params = inspect.signature(fn).parameters
-    return next((n for n in ("cache", "past_key_values", "past_key_value")
-                 if n in params), "cache")
+    return next(
+        (n for n in ("cache", "past_key_values", "past_key_value") if n in params),
+        "cache",
+    )
 
 
 def _cache_update(cache, key_states, value_states, layer_idx, cos, sin, kwargs):
     if "kwargs" in inspect.signature(cache.update).parameters:  # transformers 5.x
         return cache.update(key_states, value_states, layer_idx, kwargs=kwargs)
     # transformers 4.5x: the cache kwargs are a dict argument.
-    cache_kwargs = {"sin": sin, "cos": cos,
-                    "cache_position": kwargs.get("cache_position")}
+    cache_kwargs = {
+        "sin": sin,
+        "cos": cos,
+        "cache_position": kwargs.get("cache_position"),
+    }
     return cache.update(key_states, value_states, layer_idx, cache_kwargs)
 
 
-def _decoder_layer_forward(self, hidden_states, attention_mask=None, position_ids=None,
-                           cache=None,
-                           use_cache=False, position_embeddings=None, **kwargs):
+def _decoder_layer_forward(
+    self,
+    hidden_states,
+    attention_mask=None,
+    position_ids=None,
+    cache=None,
+    use_cache=False,
+    position_embeddings=None,
+    **kwargs,
+):
     """Qwen3/Llama decoder layer with ``residual + attn`` and
     ``post_attention_layernorm`` fused."""
     cache = _pop_cache(cache, kwargs)
@@ -205,27 +186,29 @@ def _decoder_layer_forward(self, hidden_states, attention_mask=None, position_id
     attn = self.self_attn
     # Our own attention forward, or the class's, under the cache's name for this
     # version.
-    attn_forward = (type(attn).forward if "forward" not in attn.__dict__
-                    else _attention_forward)
+    attn_forward = (
+        type(attn).forward if "forward" not in attn.__dict__ else _attention_forward
+    )
     hidden_states, _ = attn(
-        hidden_states=hidden_states, attention_mask=attention_mask,
+        hidden_states=hidden_states,
+        attention_mask=attention_mask,
         position_ids=position_ids,
-        use_cache=use_cache, position_embeddings=position_embeddings,
-        **{_cache_name(attn_forward): cache}, **kwargs,
+        use_cache=use_cache,
+        position_embeddings=position_embeddings,
+        **{_cache_name(attn_forward): cache},
+        **kwargs,
     )
     norm = self.post_attention_layernorm
     fusable = (
         hidden_states.dtype == residual.dtype == norm.weight.dtype
         and hidden_states.shape == residual.shape
-        and (_differentiable("fused_add_rms_norm")
-             or not _needs_grad(hidden_states, residual, norm.weight))
     )
     if fusable:
         # One pass: residual stream h = residual + attn (rounded as transformers rounds
         # it) and its norm; attn + residual is the same IEEE sum as residual + attn.
-        hidden_states, residual = fused_add_rms_norm(hidden_states, residual,
-                                                     norm.weight,
-                                                     _norm_eps(norm))
+        hidden_states, residual = fused_add_rms_norm(
+            hidden_states, residual, norm.weight, _norm_eps(norm)
+        )
     else:
         residual = residual + hidden_states
         hidden_states = norm(residual)
@@ -241,9 +224,9 @@ def _qk_fusable(self, hidden_states, cos, sin) -> bool:
     return (
         _norm_eps(self.q_norm) == _norm_eps(self.k_norm)
         and hidden_states.dtype == qw.dtype == kw.dtype == cos.dtype == sin.dtype
-        and cos.dim() == 3 and cos.shape == sin.shape
+        and cos.dim() == 3
+        and cos.shape == sin.shape
         and self.head_dim * hidden_states.element_size() <= MAX_FUSED_BYTES
-        and (_differentiable("qk_norm_rope") or not _needs_grad(hidden_states, qw, kw))
     )
 
 
@@ -260,9 +243,11 @@ def _purely_causal(mask, seq_q: int, seq_k: int, window) -> bool:
     cache's unused slots, a packed or bidirectional mask are not this pattern."""
     if mask is None:
         return True
-    if not isinstance(mask,
-                      torch.Tensor) or mask.dim() != 4 or tuple(mask.shape[-2:]) != (
-            seq_q, seq_k):
+    if (
+        not isinstance(mask, torch.Tensor)
+        or mask.dim() != 4
+        or tuple(mask.shape[-2:]) != (seq_q, seq_k)
+    ):
         return False
     key = (mask._version, seq_q, seq_k, window)
     hit = _MASK_CHECKED.get(mask)
@@ -287,13 +272,16 @@ def _kernel_attention(self, q, k, v, attention_mask, kwargs):
     runs instead): dropout in training, logit soft-capping, bidirectional attention,
     attention weights asked for, a dtype or head_dim the kernel lacks, a gradient the
     kernel cannot give yet."""
-    if (self.training and self.attention_dropout > 0
-            or getattr(self, "attn_logit_softcapping", None) is not None
-            or not getattr(self, "is_causal", True)
-            or kwargs.get("output_attentions")
-            or q.dtype not in ATTENTION_DTYPES or not k.dtype == v.dtype == q.dtype
-            or q.shape[-1] > MAX_HEAD_DIM
-            or (_needs_grad(q, k, v) and not _differentiable("attention"))):
+    if (
+        self.training
+        and self.attention_dropout > 0
+        or getattr(self, "attn_logit_softcapping", None) is not None
+        or not getattr(self, "is_causal", True)
+        or kwargs.get("output_attentions")
+        or q.dtype not in ATTENTION_DTYPES
+        or not k.dtype == v.dtype == q.dtype
+        or q.shape[-1] > MAX_HEAD_DIM
+    ):
         return None
     window = getattr(self, "sliding_window", None)
     if not _purely_causal(attention_mask, q.shape[2], k.shape[2], window):
@@ -305,14 +293,15 @@ def _kernel_attention(self, q, k, v, attention_mask, kwargs):
             "normbook.attention takes no mask tensor, and ignoring it would be wrong. "
             "Pass "
             "unpadded sequences of one length, or run this model unpatched "
-            "(normbook.hf.unpatch(model))")
+            "(normbook.hf.unpatch(model))"
+        )
     out = attention(q, k, v, causal=True, scale=self.scaling, window=window)
     return out.transpose(1, 2)
 
 
-def _attention_forward(self, hidden_states, position_embeddings, attention_mask,
-                       cache=None,
-                       **kwargs):
+def _attention_forward(
+    self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs
+):
     """Qwen3/Llama/Gemma 3 attention: projections; Qwen3's q/k norms and RoPE as one
     :func:`normbook.qk_norm_rope` (else the module's norms, patched, and transformers'
     RoPE); the KV cache; :func:`normbook.attention`; o_proj."""
@@ -330,27 +319,38 @@ def _attention_forward(self, hidden_states, position_embeddings, attention_mask,
         if cos.shape[0] not in (1, query_states.shape[0]):
             batch = query_states.shape[0]
             cos, sin = cos.expand(batch, -1, -1), sin.expand(batch, -1, -1)
-        query_states, key_states = qk_norm_rope(query_states, key_states,
-                                                self.q_norm.weight,
-                                                self.k_norm.weight, cos, sin,
-                                                _norm_eps(self.q_norm))
-        query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1,
-                                                                                      2)
+        query_states, key_states = qk_norm_rope(
+            query_states,
+            key_states,
+            self.q_norm.weight,
+            self.k_norm.weight,
+            cos,
+            sin,
+            _norm_eps(self.q_norm),
+        )
+        query_states, key_states = (
+            query_states.transpose(1, 2),
+            key_states.transpose(1, 2),
+        )
     else:
-        query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1,
-                                                                                      2)
+        query_states, key_states = (
+            query_states.transpose(1, 2),
+            key_states.transpose(1, 2),
+        )
         # Qwen3 (not fusable here), Gemma 3: per-head RMSNorms
         if hasattr(self, "q_norm"):
             query_states = self.q_norm(query_states)
             key_states = self.k_norm(key_states)
-        query_states, key_states = module.apply_rotary_pos_emb(query_states, key_states,
-                                                               cos,
-                                                               sin)
+        query_states, key_states = module.apply_rotary_pos_emb(
+            query_states, key_states, cos, sin
+        )
     if cache is not None:
-        key_states, value_states = _cache_update(cache, key_states, value_states,
-                                                 self.layer_idx, cos, sin, kwargs)
-    attn_output = _kernel_attention(self, query_states, key_states, value_states,
-                                    attention_mask, kwargs)
+        key_states, value_states = _cache_update(
+            cache, key_states, value_states, self.layer_idx, cos, sin, kwargs
+        )
+    attn_output = _kernel_attention(
+        self, query_states, key_states, value_states, attention_mask, kwargs
+    )
     attn_weights = None
     if attn_output is None:
         functions = module.ALL_ATTENTION_FUNCTIONS
@@ -358,12 +358,18 @@ def _attention_forward(self, hidden_states, position_embeddings, attention_mask,
         if hasattr(functions, "get_interface"):  # transformers 5.x
             interface = functions.get_interface(impl, module.eager_attention_forward)
         else:  # 4.5x
-            interface = (module.eager_attention_forward if impl == "eager"
-                         else functions[impl])
+            interface = (
+                module.eager_attention_forward if impl == "eager" else functions[impl]
+            )
         attn_output, attn_weights = interface(
-            self, query_states, key_states, value_states, attention_mask,
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling, sliding_window=getattr(self, "sliding_window", None),
+            scaling=self.scaling,
+            sliding_window=getattr(self, "sliding_window", None),
             **kwargs,
         )
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
@@ -379,11 +385,18 @@ def _swiglu_mlp_forward(self, x):
     return self.down_proj(swiglu(gate, up))
 
 
-def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None,
-                       cache=None,
-                       inputs_embeds=None, labels=None, use_cache=None,
-                       logits_to_keep=0,
-                       **kwargs):
+def _causal_lm_forward(
+    self,
+    input_ids=None,
+    attention_mask=None,
+    position_ids=None,
+    cache=None,
+    inputs_embeds=None,
+    labels=None,
+    use_cache=None,
+    logits_to_keep=0,
+    **kwargs,
+):
     """With ``labels``: the decoder, then the shifted causal-LM loss of ``lm_head`` as
     :func:`normbook.linear_cross_entropy` (transformers' ``ForCausalLMLoss``: labels
     shifted by one, ``ignore_index``, ``num_items_in_batch``), and **no logits**
@@ -393,30 +406,42 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     head = self.lm_head
     fused = (
         labels is not None
-        and isinstance(logits_to_keep, int) and logits_to_keep == 0
+        and isinstance(logits_to_keep, int)
+        and logits_to_keep == 0
         and getattr(head, "bias", None) is None
         and getattr(self.config, "final_logit_softcapping", None) is None
         and kwargs.get("return_dict", True) is not False
     )
     cache_kw = {_cache_name(type(self).forward): cache}
     if not fused:
-        return type(self).forward(self, input_ids=input_ids,
-                                  attention_mask=attention_mask,
-                                  position_ids=position_ids,
-                                  inputs_embeds=inputs_embeds,
-                                  labels=labels, use_cache=use_cache,
-                                  logits_to_keep=logits_to_keep, **cache_kw, **kwargs)
-    outputs = self.model(input_ids=input_ids, attention_mask=attention_mask,
-                         position_ids=position_ids, inputs_embeds=inputs_embeds,
-                         use_cache=use_cache,
-                         **{_cache_name(type(self.model).forward): cache},
-                         **kwargs)
+        return type(self).forward(
+            self,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            labels=labels,
+            use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
+            **cache_kw,
+            **kwargs,
+        )
+    outputs = self.model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        inputs_embeds=inputs_embeds,
+        use_cache=use_cache,
+        **{_cache_name(type(self.model).forward): cache},
+        **kwargs,
+    )
     hidden = outputs.last_hidden_state
     ignore_index = kwargs.get("ignore_index", -100)
     shift_labels = kwargs.get("shift_labels")
     if shift_labels is None:  # tokens < n predict n; the last position predicts nothing
-        shift_labels = torch.nn.functional.pad(labels, (0, 1),
-                                               value=ignore_index)[..., 1:]
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[
+            ..., 1:
+        ]
     num_items = kwargs.get("num_items_in_batch")
     weight = head.weight
     h2d = hidden.reshape(-1, hidden.shape[-1])
@@ -426,24 +451,40 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     target = shift_labels.reshape(-1).to(h2d.device)
     # transformers upcasts the logits to fp32 before its loss: the loss is rounded to
     # fp32.
-    loss = _linear_cross_entropy(h2d, weight, target, ignore_index,
-                                 "mean" if num_items is None else "sum", torch.float32)
+    loss = _linear_cross_entropy(
+        h2d,
+        weight,
+        target,
+        ignore_index,
+        "mean" if num_items is None else "sum",
+        torch.float32,
+    )
     if num_items is not None:
-        loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items)
-                       else num_items)
+        loss = loss / (
+            num_items.to(loss.device) if torch.is_tensor(num_items) else num_items
+        )
     out_cls = sys.modules[type(self).__module__].CausalLMOutputWithPast
     fields = out_cls.__dataclass_fields__
     cache_field = "cache" if "cache" in fields else "past_key_values"
-    return out_cls(loss=loss, logits=None, hidden_states=outputs.hidden_states,
-                   attentions=outputs.attentions,
-                   **{cache_field: getattr(outputs, cache_field, None)})
+    return out_cls(
+        loss=loss,
+        logits=None,
+        hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+        **{cache_field: getattr(outputs, cache_field, None)},
+    )
 
 
 # ---------------------------------------------------------------- patch / unpatch
 
-_PATCHED_FORWARDS = (_rms_norm_forward, _gemma_rms_norm_forward, _decoder_layer_forward,
-                     _attention_forward, _swiglu_mlp_forward,
-                     _causal_lm_forward)  # unpatch removes only these
+_PATCHED_FORWARDS = (
+    _rms_norm_forward,
+    _gemma_rms_norm_forward,
+    _decoder_layer_forward,
+    _attention_forward,
+    _swiglu_mlp_forward,
+    _causal_lm_forward,
+)  # unpatch removes only these
 
 
 def _set_forward(module: nn.Module, fn) -> None:
@@ -456,14 +497,17 @@ def _set_forward(module: nn.Module, fn) -> None:
 
 def _ours(module: nn.Module) -> bool:
     forward = module.__dict__.get("forward")
-    return isinstance(forward,
-                      types.MethodType) and forward.__func__ in _PATCHED_FORWARDS
+    return (
+        isinstance(forward, types.MethodType) and forward.__func__ in _PATCHED_FORWARDS
+    )
 
 
 def _check_model(model) -> str:
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a transformers model (an nn.Module), got "
-                        f"{type(model).__name__}")
+        raise TypeError(
+            f"model must be a transformers model (an nn.Module), got "
+            f"{type(model).__name__}"
+        )
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise TypeError(
@@ -497,22 +541,27 @@ def patch(model: nn.Module) -> nn.Module:
     for module in model.modules():
         if _is_transformers_class(module, _NORMS):
             gemma = _NORMS[type(module).__name__] == "gemma"
-            _set_forward(module, _gemma_rms_norm_forward if gemma
-                         else _rms_norm_forward)
+            _set_forward(
+                module, _gemma_rms_norm_forward if gemma else _rms_norm_forward
+            )
             found += 1
         elif _is_transformers_class(module, _FUSABLE_LAYERS):
             _set_forward(module, _decoder_layer_forward)
         elif _is_transformers_class(module, _ATTENTION):
             _set_forward(module, _attention_forward)
-        elif (_is_transformers_class(module, _GATED_MLPS)
-              and type(getattr(module, "act_fn", None)).__name__ in _SILU):
+        elif (
+            _is_transformers_class(module, _GATED_MLPS)
+            and type(getattr(module, "act_fn", None)).__name__ in _SILU
+        ):
             _set_forward(module, _swiglu_mlp_forward)
         elif _is_transformers_class(module, _CAUSAL_LMS):
             _set_forward(module, _causal_lm_forward)
     if not found:
-        raise TypeError(f"{type(model).__name__} has no RMSNorm module that normbook.hf "
-                        "knows "
-                        f"({sorted(_NORMS)}): nothing to patch")
+        raise TypeError(
+            f"{type(model).__name__} has no RMSNorm module that normbook.hf "
+            "knows "
+            f"({sorted(_NORMS)}): nothing to patch"
+        )
     return model
 
 

@@ -56,7 +56,6 @@ from ._reduce import sum_partials
 from ._runtime import DEVICE, INTERPRET, device_guard
 from ._triton_utils import chan_combine, round_to
 
-
 # ---------------------------------------------------------------- launch configurations
 #
 # Chosen from the row length N alone, never from the number of rows M: the tile a row
@@ -70,8 +69,8 @@ FWD_SINGLE_BYTES = 16384
 # Backward rows up to this many bytes take the one-kernel path (x and dy held in
 # registers).
 BWD_SINGLE_BYTES = 8192
-TILE = 4096          # elements per forward program (rows × columns) when rows are short
-BWD_TILE = 2048      # the backward holds x, dy, dx and two dγ/dβ sums: half the tile
+TILE = 4096  # elements per forward program (rows × columns) when rows are short
+BWD_TILE = 2048  # the backward holds x, dy, dx and two dγ/dβ sums: half the tile
 # column block of the looped forward and of the backward's row dot products
 LOOP_BLOCK_N = 4096
 # column block of the backward's column sweep (dx, dγ, dβ), on a GPU
@@ -79,7 +78,7 @@ COL_BLOCK_N = 512
 # The interpreter runs programs one after another, each with a fixed overhead: wider
 # blocks, so fewer programs (the same code path, with more columns per program).
 _RUN_COL_BLOCK_N = 4096 if INTERPRET else COL_BLOCK_N
-COL_BLOCK_M = 4      # rows per step of that sweep
+COL_BLOCK_M = 4  # rows per step of that sweep
 # The second stage of dγ/dβ (the (G, N) partial sums) may move at most this share of the
 # backward's essential bytes (read x and dy, write dx).
 MAX_PARTIAL_SHARE = 0.05
@@ -112,7 +111,7 @@ class BackwardPlan:
     # SINGLE_BLOCK: the one-kernel backward; else the row dot products
     single: Config
     cols: Config | None  # the column sweep (None on the one-kernel path)
-    G: int              # rows of the (G, N) partial sums = programs along the rows
+    G: int  # rows of the (G, N) partial sums = programs along the rows
 
 
 def _sm_count() -> int:
@@ -121,8 +120,14 @@ def _sm_count() -> int:
     return 2  # the interpreter runs programs one after another: a few suffice
 
 
-def backward_plan(M: int, N: int, element_size: int, partial_params: int, sms: int,
-                  col_block_n: int = COL_BLOCK_N) -> BackwardPlan:
+def backward_plan(
+    M: int,
+    N: int,
+    element_size: int,
+    partial_params: int,
+    sms: int,
+    col_block_n: int = COL_BLOCK_N,
+) -> BackwardPlan:
     """Tiling and number of partial-sum rows G of the backward (see :func:`_backward`).
 
     G is bounded so that the partial sums (``partial_params`` of dγ, dβ; written once,
@@ -135,13 +140,20 @@ def backward_plan(M: int, N: int, element_size: int, partial_params: int, sms: i
     single = block_n * element_size <= BWD_SINGLE_BYTES
     if single:
         block_m = max(1, BWD_TILE // block_n)
-        cfg, cols, n_col_blocks = Config(block_m, block_n, True,
-                                         _warps(block_m * block_n)), None, 1
+        cfg, cols, n_col_blocks = (
+            Config(block_m, block_n, True, _warps(block_m * block_n)),
+            None,
+            1,
+        )
         tiles = triton.cdiv(M, block_m)
     else:
         cfg = Config(1, LOOP_BLOCK_N // 2, False, _warps(LOOP_BLOCK_N // 2))
-        cols = Config(COL_BLOCK_M, col_block_n, False,
-                      max(1, _warps(COL_BLOCK_M * col_block_n) // 2))
+        cols = Config(
+            COL_BLOCK_M,
+            col_block_n,
+            False,
+            max(1, _warps(COL_BLOCK_M * col_block_n) // 2),
+        )
         n_col_blocks = triton.cdiv(N, col_block_n)
         tiles = triton.cdiv(M, COL_BLOCK_M)
     target = 2 * sms
@@ -161,15 +173,27 @@ def partial_traffic(plan: BackwardPlan, N: int, partial_params: int) -> int:
 
 # ---------------------------------------------------------------- forward
 
+
 @triton.jit
 def _layer_norm_fwd(
     # pointers: input, output, weight, bias, per-row mean and 1/std (fp32)
-    X, Y, W, B, Mean, Rstd,
-    stride_x, stride_y,         # distance between rows, in elements
-    M, N, eps,                  # rows, row length, epsilon
-    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ACC: tl.constexpr,          # accumulation dtype: fp32 (fp64 for fp64 input)
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
+    X,
+    Y,
+    W,
+    B,
+    Mean,
+    Rstd,
+    stride_x,
+    stride_y,  # distance between rows, in elements
+    M,
+    N,
+    eps,  # rows, row length, epsilon
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACC: tl.constexpr,  # accumulation dtype: fp32 (fp64 for fp64 input)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SINGLE_BLOCK: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
@@ -250,27 +274,56 @@ def _forward(x2d: torch.Tensor, weight, bias, eps: float):
     b = bias.contiguous() if bias is not None else x2d
     with device_guard(x2d):
         _layer_norm_fwd[(triton.cdiv(M, cfg.BLOCK_M),)](
-            x2d, y, w, b, mean, rstd, x2d.stride(0), y.stride(0), M, N, eps,
-            HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+            x2d,
+            y,
+            w,
+            b,
+            mean,
+            rstd,
+            x2d.stride(0),
+            y.stride(0),
+            M,
+            N,
+            eps,
+            HAS_WEIGHT=weight is not None,
+            HAS_BIAS=bias is not None,
             ACC=tl_accumulation_dtype(acc),
-            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, SINGLE_BLOCK=cfg.SINGLE_BLOCK,
-            num_warps=cfg.num_warps, **LAUNCH,
+            BLOCK_M=cfg.BLOCK_M,
+            BLOCK_N=cfg.BLOCK_N,
+            SINGLE_BLOCK=cfg.SINGLE_BLOCK,
+            num_warps=cfg.num_warps,
+            **LAUNCH,
         )
     return y, mean, rstd
 
 
 # ---------------------------------------------------------------- backward
 
+
 @triton.jit
 def _layer_norm_bwd(
     # pointers: input, weight, saved row statistics, upstream grad, dx, (G, N) partials
     # of dγ and dβ
-    X, W, Mean, Rstd, DY, DX, DW, DB,
-    stride_x, stride_dy, stride_dx,    # distance between rows, in elements
-    M, N, G,                    # rows, row length, programs (= rows of DW and DB)
-    HAS_WEIGHT: tl.constexpr, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
+    X,
+    W,
+    Mean,
+    Rstd,
+    DY,
+    DX,
+    DW,
+    DB,
+    stride_x,
+    stride_dy,
+    stride_dx,  # distance between rows, in elements
+    M,
+    N,
+    G,  # rows, row length, programs (= rows of DW and DB)
+    HAS_WEIGHT: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
+    COMPUTE_DB: tl.constexpr,
     ACC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     # Rows that fit in one block: x and dy are read once, dγ/dβ stay in registers.
     pid = tl.program_id(0)
@@ -290,10 +343,12 @@ def _layer_norm_bwd(
         row_mask = rows < M
         rows = rows.to(tl.int64)  # rows * stride can pass 2**31 on a large tensor
         mask = row_mask[:, None] & col_mask[None, :]
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask,
-                    other=0.0).to(ACC)
-        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask,
-                     other=0.0).to(ACC)
+        x = tl.load(
+            X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0
+        ).to(ACC)
+        dy = tl.load(
+            DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0
+        ).to(ACC)
         # Saved by the forward: the backward needs no reduction over x of its own.
         mean = tl.load(Mean + rows, mask=row_mask, other=0.0)
         rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)
@@ -308,27 +363,43 @@ def _layer_norm_bwd(
         g_mean = tl.sum(g, axis=1) / N
         gx_mean = tl.sum(g * xhat, axis=1) / N
         dx = (g - g_mean[:, None] - xhat * gx_mean[:, None]) * rstd[:, None]
-        tl.store(DX + rows[:, None] * stride_dx + cols[None, :],
-                 round_to(dx, DX.dtype.element_ty), mask=mask)
+        tl.store(
+            DX + rows[:, None] * stride_dx + cols[None, :],
+            round_to(dx, DX.dtype.element_ty),
+            mask=mask,
+        )
         if COMPUTE_DW:
             dw_acc += dy * xhat  # masked rows and columns add nothing
         if COMPUTE_DB:
             db_acc += dy
     # Each partial is stored once, by the one program that owns this row of DW and DB.
     if COMPUTE_DW:
-        tl.store(DW + pid.to(tl.int64) * N + cols, tl.sum(dw_acc, axis=0),
-                 mask=col_mask)
+        tl.store(
+            DW + pid.to(tl.int64) * N + cols, tl.sum(dw_acc, axis=0), mask=col_mask
+        )
     if COMPUTE_DB:
-        tl.store(DB + pid.to(tl.int64) * N + cols, tl.sum(db_acc, axis=0),
-                 mask=col_mask)
+        tl.store(
+            DB + pid.to(tl.int64) * N + cols, tl.sum(db_acc, axis=0), mask=col_mask
+        )
 
 
 @triton.jit
 def _layer_norm_bwd_dots(
     # pointers: ..., per-row mean(g) and mean(g ⊙ x̂) (out)
-    X, W, Mean, Rstd, DY, Gmean, GXmean,
-    stride_x, stride_dy, M, N,
-    HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr, BLOCK_M: tl.constexpr,
+    X,
+    W,
+    Mean,
+    Rstd,
+    DY,
+    Gmean,
+    GXmean,
+    stride_x,
+    stride_dy,
+    M,
+    N,
+    HAS_WEIGHT: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     # Wide rows, step 1: each row's correction (two dot products) before any column is
@@ -343,10 +414,12 @@ def _layer_norm_bwd_dots(
     for off in range(0, N, BLOCK_N):
         cols = off + tl.arange(0, BLOCK_N)
         mask = row_mask[:, None] & (cols < N)[None, :]
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask,
-                    other=0.0).to(ACC)
-        g = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask,
-                    other=0.0).to(ACC)
+        x = tl.load(
+            X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0
+        ).to(ACC)
+        g = tl.load(
+            DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0
+        ).to(ACC)
         if HAS_WEIGHT:
             g = g * tl.load(W + cols, mask=cols < N, other=0.0).to(ACC)[None, :]
         xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
@@ -358,11 +431,28 @@ def _layer_norm_bwd_dots(
 
 @triton.jit
 def _layer_norm_bwd_cols(
-    X, W, Mean, Rstd, Gmean, GXmean, DY, DX, DW, DB,  # DW, DB: (G, N) partial sums
-    stride_x, stride_dy, stride_dx, M, N, G,
-    HAS_WEIGHT: tl.constexpr, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
+    X,
+    W,
+    Mean,
+    Rstd,
+    Gmean,
+    GXmean,
+    DY,
+    DX,
+    DW,
+    DB,  # DW, DB: (G, N) partial sums
+    stride_x,
+    stride_dy,
+    stride_dx,
+    M,
+    N,
+    G,
+    HAS_WEIGHT: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
+    COMPUTE_DB: tl.constexpr,
     ACC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     # Wide rows, step 2: program (p, c) owns column block c of partial row p. It walks
     # row tiles p, p + G, ... (a fixed assignment: reproducible sums), writes dx, and
@@ -380,10 +470,12 @@ def _layer_norm_bwd_cols(
         row_mask = rows < M
         rows = rows.to(tl.int64)
         mask = row_mask[:, None] & col_mask[None, :]
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask,
-                    other=0.0).to(ACC)
-        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask,
-                     other=0.0).to(ACC)
+        x = tl.load(
+            X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0
+        ).to(ACC)
+        dy = tl.load(
+            DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0
+        ).to(ACC)
         mean = tl.load(Mean + rows, mask=row_mask, other=0.0)
         rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)
         g_mean = tl.load(Gmean + rows, mask=row_mask, other=0.0)
@@ -394,18 +486,23 @@ def _layer_norm_bwd_cols(
         else:
             g = dy
         dx = (g - g_mean[:, None] - xhat * gx_mean[:, None]) * rstd[:, None]
-        tl.store(DX + rows[:, None] * stride_dx + cols[None, :],
-                 round_to(dx, DX.dtype.element_ty), mask=mask)
+        tl.store(
+            DX + rows[:, None] * stride_dx + cols[None, :],
+            round_to(dx, DX.dtype.element_ty),
+            mask=mask,
+        )
         if COMPUTE_DW:
             dw_acc += dy * xhat
         if COMPUTE_DB:
             db_acc += dy
     if COMPUTE_DW:
-        tl.store(DW + part.to(tl.int64) * N + cols, tl.sum(dw_acc, axis=0),
-                 mask=col_mask)
+        tl.store(
+            DW + part.to(tl.int64) * N + cols, tl.sum(dw_acc, axis=0), mask=col_mask
+        )
     if COMPUTE_DB:
-        tl.store(DB + part.to(tl.int64) * N + cols, tl.sum(db_acc, axis=0),
-                 mask=col_mask)
+        tl.store(
+            DB + part.to(tl.int64) * N + cols, tl.sum(db_acc, axis=0), mask=col_mask
+        )
 
 
 def _backward(dy2d, x2d, weight, bias, mean, rstd, compute_dw: bool, compute_db: bool):
@@ -425,18 +522,28 @@ def _backward(dy2d, x2d, weight, bias, mean, rstd, compute_dw: bool, compute_db:
     compute_db = compute_db and bias is not None
     if M == 0 or N == 0:
         # An empty sum is 0.
-        return (dx, torch.zeros_like(weight) if compute_dw else None,
-                torch.zeros_like(bias) if compute_db else None)
-    plan = backward_plan(M, N, x2d.element_size(), int(compute_dw) + int(compute_db),
-                         _sm_count(),
-                         _RUN_COL_BLOCK_N)
+        return (
+            dx,
+            torch.zeros_like(weight) if compute_dw else None,
+            torch.zeros_like(bias) if compute_db else None,
+        )
+    plan = backward_plan(
+        M,
+        N,
+        x2d.element_size(),
+        int(compute_dw) + int(compute_db),
+        _sm_count(),
+        _RUN_COL_BLOCK_N,
+    )
     G = plan.G
     # Partial sums, one row per program along the rows; every element is written exactly
     # once.
-    dw_part = torch.empty((G if compute_dw else 1, N), dtype=rstd.dtype,
-                          device=x2d.device)
-    db_part = torch.empty((G if compute_db else 1, N), dtype=rstd.dtype,
-                          device=x2d.device)
+    dw_part = torch.empty(
+        (G if compute_dw else 1, N), dtype=rstd.dtype, device=x2d.device
+    )
+    db_part = torch.empty(
+        (G if compute_db else 1, N), dtype=rstd.dtype, device=x2d.device
+    )
     # dummy pointer when HAS_WEIGHT is False
     w = weight.contiguous() if weight is not None else x2d
     acc = tl_accumulation_dtype(rstd.dtype)
@@ -445,10 +552,26 @@ def _backward(dy2d, x2d, weight, bias, mean, rstd, compute_dw: bool, compute_db:
         if plan.single.SINGLE_BLOCK:
             cfg = plan.single
             _layer_norm_bwd[(G,)](
-                x2d, w, mean, rstd, dy2d, dx, dw_part, db_part,
-                x2d.stride(0), dy2d.stride(0), dx.stride(0), M, N, G,
-                COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, **flags,
-                BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, num_warps=cfg.num_warps,
+                x2d,
+                w,
+                mean,
+                rstd,
+                dy2d,
+                dx,
+                dw_part,
+                db_part,
+                x2d.stride(0),
+                dy2d.stride(0),
+                dx.stride(0),
+                M,
+                N,
+                G,
+                COMPUTE_DW=compute_dw,
+                COMPUTE_DB=compute_db,
+                **flags,
+                BLOCK_M=cfg.BLOCK_M,
+                BLOCK_N=cfg.BLOCK_N,
+                num_warps=cfg.num_warps,
                 **LAUNCH,
             )
         else:
@@ -456,16 +579,46 @@ def _backward(dy2d, x2d, weight, bias, mean, rstd, compute_dw: bool, compute_db:
             g_mean = torch.empty((M,), dtype=rstd.dtype, device=x2d.device)
             gx_mean = torch.empty((M,), dtype=rstd.dtype, device=x2d.device)
             _layer_norm_bwd_dots[(triton.cdiv(M, dots.BLOCK_M),)](
-                x2d, w, mean, rstd, dy2d, g_mean, gx_mean, x2d.stride(0),
-                dy2d.stride(0), M, N,
-                **flags, BLOCK_M=dots.BLOCK_M, BLOCK_N=dots.BLOCK_N,
-                num_warps=dots.num_warps, **LAUNCH,
+                x2d,
+                w,
+                mean,
+                rstd,
+                dy2d,
+                g_mean,
+                gx_mean,
+                x2d.stride(0),
+                dy2d.stride(0),
+                M,
+                N,
+                **flags,
+                BLOCK_M=dots.BLOCK_M,
+                BLOCK_N=dots.BLOCK_N,
+                num_warps=dots.num_warps,
+                **LAUNCH,
             )
             _layer_norm_bwd_cols[(G, triton.cdiv(N, cols.BLOCK_N))](
-                x2d, w, mean, rstd, g_mean, gx_mean, dy2d, dx, dw_part, db_part,
-                x2d.stride(0), dy2d.stride(0), dx.stride(0), M, N, G,
-                COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, **flags,
-                BLOCK_M=cols.BLOCK_M, BLOCK_N=cols.BLOCK_N, num_warps=cols.num_warps,
+                x2d,
+                w,
+                mean,
+                rstd,
+                g_mean,
+                gx_mean,
+                dy2d,
+                dx,
+                dw_part,
+                db_part,
+                x2d.stride(0),
+                dy2d.stride(0),
+                dx.stride(0),
+                M,
+                N,
+                G,
+                COMPUTE_DW=compute_dw,
+                COMPUTE_DB=compute_db,
+                **flags,
+                BLOCK_M=cols.BLOCK_M,
+                BLOCK_N=cols.BLOCK_N,
+                num_warps=cols.num_warps,
                 **LAUNCH,
             )
         dw = sum_partials(dw_part, weight.dtype) if compute_dw else None
@@ -499,8 +652,9 @@ class LayerNormFunction(torch.autograd.Function):
             dw = torch.zeros_like(weight) if weight is not None and need_dw else None
             db = torch.zeros_like(bias) if bias is not None and need_db else None
             return torch.zeros_like(dy), dw, db, None
-        dx, dw, db = _backward(_validate.as_rows(dy), x2d, weight, bias, mean, rstd,
-                               need_dw, need_db)
+        dx, dw, db = _backward(
+            _validate.as_rows(dy), x2d, weight, bias, mean, rstd, need_dw, need_db
+        )
         return dx.view(ctx.x_shape), dw, db, None
 
 

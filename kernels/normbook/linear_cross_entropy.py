@@ -39,8 +39,9 @@ import triton
 
 from . import _validate
 from ._config import accumulation_dtype
-from .cross_entropy import REDUCTIONS, _backward as _ce_backward, check_target_range
-from .cross_entropy import _forward as _ce_forward, _reduce
+from .cross_entropy import REDUCTIONS, _reduce, check_target_range
+from .cross_entropy import _backward as _ce_backward
+from .cross_entropy import _forward as _ce_forward
 
 # Rows per forward chunk: ceil(M / CHUNKS); words per backward block: ceil(V / CHUNKS).
 CHUNKS = 8
@@ -66,9 +67,10 @@ def _forward(h2d, weight, target, ignore_index):
     lse = torch.empty((M,), dtype=acc, device=h2d.device)
     step = chunk_rows(M)
     for r0 in range(0, M, step):
-        z = h2d[r0:r0 + step] @ weight.t()  # (chunk, V), rounded as F.linear rounds
-        loss[r0:r0 + step], lse[r0:r0 + step] = _ce_forward(z, target[r0:r0 + step],
-                                                            ignore_index)
+        z = h2d[r0 : r0 + step] @ weight.t()  # (chunk, V), rounded as F.linear rounds
+        loss[r0 : r0 + step], lse[r0 : r0 + step] = _ce_forward(
+            z, target[r0 : r0 + step], ignore_index
+        )
         del z
     return loss, lse
 
@@ -95,13 +97,13 @@ def _backward(h2d, weight, target, lse, g, ignore_index, want_h, want_w):
     sentinel = -V - 1
     step = block_words(V)
     for v0 in range(0, V, step):
-        w_b = weight[v0:v0 + step]
+        w_b = weight[v0 : v0 + step]
         z = h2d @ w_b.t()  # (M, block), the same rounding as the forward's chunks
         if M:
             block_target = torch.where(ignored, sentinel, target - v0)
             _dlogits_in_place(z, block_target, lse, g, sentinel)
         if want_w:
-            torch.mm(z.t(), h2d, out=dw[v0:v0 + step])
+            torch.mm(z.t(), h2d, out=dw[v0 : v0 + step])
         if want_h:
             dh += z @ w_b  # in place, converted element by element: no fp32 copy
         del z
@@ -113,8 +115,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     logits block by block (see the module's docstring)."""
 
     @staticmethod
-    def forward(ctx, h2d, weight, target, ignore_index, reduction, out_shape,
-                loss_dtype):
+    def forward(
+        ctx, h2d, weight, target, ignore_index, reduction, out_shape, loss_dtype
+    ):
         loss, lse = _forward(h2d, weight, target, ignore_index)
         count = (target != ignore_index).sum()
         ctx.save_for_backward(h2d, weight, target, lse, count)
@@ -130,71 +133,91 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             # inf when every row is ignored: then no row uses it
             g = g / count.to(lse.dtype)
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dh, dw = _backward(h2d, weight, target, lse, g.contiguous(), ctx.ignore_index,
-                           want_h, want_w)
+        dh, dw = _backward(
+            h2d, weight, target, lse, g.contiguous(), ctx.ignore_index, want_h, want_w
+        )
         return dh, dw, None, None, None, None, None
 
 
 def _check(hidden, weight, target, ignore_index, reduction):
     _validate.check_input(hidden, "hidden")
     if hidden.dim() > 2:
-        raise ValueError(f"hidden must be (M, d) or (d,), got {hidden.dim()} "
-                         "dimensions; "
-                         "flatten the leading ones first: hidden.view(-1, d)")
+        raise ValueError(
+            f"hidden must be (M, d) or (d,), got {hidden.dim()} "
+            "dimensions; "
+            "flatten the leading ones first: hidden.view(-1, d)"
+        )
     _validate.check_input(weight, "weight")
     if weight.dim() != 2:
-        raise ValueError(f"weight must be (V, d), as nn.Linear(d, V).weight, got shape "
-                         f"{tuple(weight.shape)}")
+        raise ValueError(
+            f"weight must be (V, d), as nn.Linear(d, V).weight, got shape "
+            f"{tuple(weight.shape)}"
+        )
     if weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight must have hidden's last dimension d = "
-                         f"{hidden.shape[-1]} as "
-                         f"its second, got weight {tuple(weight.shape)} for hidden "
-                         f"{tuple(hidden.shape)}")
+        raise ValueError(
+            f"weight must have hidden's last dimension d = "
+            f"{hidden.shape[-1]} as "
+            f"its second, got weight {tuple(weight.shape)} for hidden "
+            f"{tuple(hidden.shape)}"
+        )
     if weight.shape[0] == 0:
         raise ValueError("weight must have at least one row (one class); it has 0")
     if weight.dtype != hidden.dtype:
-        raise TypeError(f"weight must have hidden's dtype, {hidden.dtype}, got "
-                        f"{weight.dtype}")
+        raise TypeError(
+            f"weight must have hidden's dtype, {hidden.dtype}, got {weight.dtype}"
+        )
     _validate.check_same_device("weight", weight, "hidden", hidden)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
-        raise TypeError(f"ignore_index must be an int, got "
-                        f"{type(ignore_index).__name__}")
+        raise TypeError(
+            f"ignore_index must be an int, got {type(ignore_index).__name__}"
+        )
     if not isinstance(reduction, str) or reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if not isinstance(target, torch.Tensor):
-        raise TypeError(f"target must be a torch.Tensor of class indices, got "
-                        f"{type(target).__name__}")
+        raise TypeError(
+            f"target must be a torch.Tensor of class indices, got "
+            f"{type(target).__name__}"
+        )
     if target.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"target must hold class indices as int64 (or int32), got "
-                        f"{target.dtype}")
+        raise TypeError(
+            f"target must hold class indices as int64 (or int32), got {target.dtype}"
+        )
     rows = tuple(hidden.shape[:-1])
     if tuple(target.shape) != rows:
-        raise ValueError(f"target must have shape {rows} (hidden's shape without its "
-                         "last "
-                         f"dimension), got {tuple(target.shape)}")
+        raise ValueError(
+            f"target must have shape {rows} (hidden's shape without its "
+            "last "
+            f"dimension), got {tuple(target.shape)}"
+        )
     _validate.check_same_device("target", target, "hidden", hidden)
     check_target_range(target, weight.shape[0], ignore_index)
 
 
 def _linear_cross_entropy(hidden, weight, target, ignore_index, reduction, loss_dtype):
-    """The checked call; ``loss_dtype`` is where the reduced loss is rounded (normbook.hf
-    asks for fp32, as transformers upcasts the logits before its loss)."""
+    """The checked call; ``loss_dtype`` is where the reduced loss is rounded
+    (normbook.hf asks for fp32, as transformers upcasts the logits before its loss)."""
     _check(hidden, weight, target, ignore_index, reduction)
     ignore_index = int(ignore_index)
     h2d = hidden.reshape(-1, hidden.shape[-1])
     t = target.reshape(-1).contiguous().to(torch.int64)
     out_shape = target.shape if reduction == "none" else ()
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return LinearCrossEntropyFunction.apply(h2d, weight, t, ignore_index, reduction,
-                                                out_shape, loss_dtype)
+        return LinearCrossEntropyFunction.apply(
+            h2d, weight, t, ignore_index, reduction, out_shape, loss_dtype
+        )
     loss, _ = _forward(h2d, weight, t, ignore_index)
     count = (t != ignore_index).sum()
     return _reduce(loss, count, reduction, loss_dtype).reshape(out_shape)
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
-                         target: torch.Tensor, *, ignore_index: int = -100,
-                         reduction: str = "mean") -> torch.Tensor:
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> torch.Tensor:
     r"""``F.cross_entropy(F.linear(hidden, weight), target, ...)`` without the logits in
     memory.
 
@@ -219,8 +242,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
         TypeError / ValueError naming the bad argument, before any product or launch.
     """
     loss_dtype = hidden.dtype if isinstance(hidden, torch.Tensor) else None
-    return _linear_cross_entropy(hidden, weight, target, ignore_index, reduction,
-                                 loss_dtype)
+    return _linear_cross_entropy(
+        hidden, weight, target, ignore_index, reduction, loss_dtype
+    )
 
 
 def largest_intermediate(fn, *args, **kwargs):

@@ -23,8 +23,14 @@ import triton
 import triton.language as tl
 
 from . import _validate
-from ._config import (LAUNCH, MAX_FUSED_BYTES, MIN_TILE, RowConfig, accumulation_dtype,
-                      tl_accumulation_dtype)
+from ._config import (
+    LAUNCH,
+    MAX_FUSED_BYTES,
+    MIN_TILE,
+    RowConfig,
+    accumulation_dtype,
+    tl_accumulation_dtype,
+)
 from ._reduce import num_partials, sum_partials
 from ._runtime import device_guard
 from ._triton_utils import round_to
@@ -33,16 +39,31 @@ from ._triton_utils import round_to
 @triton.jit
 def _norm_rope_tile(
     # pointers: input, output (contiguous), weight, cos, sin
-    X, Y, W, Cos, Sin,
+    X,
+    Y,
+    W,
+    Cos,
+    Sin,
     # this tile, rows (= batch·seq·heads), heads, sequence length
-    tile, M, H, S,
+    tile,
+    M,
+    H,
+    S,
     # x may be a strided view (e.g. of a fused qkv projection)
-    stride_xb, stride_xs, stride_xh,
+    stride_xb,
+    stride_xs,
+    stride_xh,
     # cos/sin: stride_*b is 0 when broadcast over batch
-    stride_cb, stride_cs, stride_sb, stride_ss,
-    HALF, eps,
-    HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    stride_cb,
+    stride_cs,
+    stride_sb,
+    stride_ss,
+    HALF,
+    eps,
+    HAS_WEIGHT: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
@@ -99,28 +120,89 @@ def _norm_rope_tile(
 
 @triton.jit
 def _qk_norm_rope_fwd(
-    Q, K, QO, KO, QW, KW, Cos, Sin,
-    Mq, Mk, Hq, Hk, S,
-    stride_qb, stride_qs, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_cb, stride_cs, stride_sb, stride_ss,
-    HALF, eps,
-    HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    Q,
+    K,
+    QO,
+    KO,
+    QW,
+    KW,
+    Cos,
+    Sin,
+    Mq,
+    Mk,
+    Hq,
+    Hk,
+    S,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_cb,
+    stride_cs,
+    stride_sb,
+    stride_ss,
+    HALF,
+    eps,
+    HAS_WEIGHT: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     # One launch for both tensors: the first programs take q's tiles, the others k's.
     pid = tl.program_id(0)
     q_tiles = tl.cdiv(Mq, BLOCK_M)
     if pid < q_tiles:
-        _norm_rope_tile(Q, QO, QW, Cos, Sin, pid, Mq, Hq, S, stride_qb, stride_qs,
-                        stride_qh,
-                        stride_cb, stride_cs, stride_sb, stride_ss, HALF, eps,
-                        HAS_WEIGHT, ACC, BLOCK_M, BLOCK_HALF)
+        _norm_rope_tile(
+            Q,
+            QO,
+            QW,
+            Cos,
+            Sin,
+            pid,
+            Mq,
+            Hq,
+            S,
+            stride_qb,
+            stride_qs,
+            stride_qh,
+            stride_cb,
+            stride_cs,
+            stride_sb,
+            stride_ss,
+            HALF,
+            eps,
+            HAS_WEIGHT,
+            ACC,
+            BLOCK_M,
+            BLOCK_HALF,
+        )
     else:
-        _norm_rope_tile(K, KO, KW, Cos, Sin, pid - q_tiles, Mk, Hk, S, stride_kb,
-                        stride_ks, stride_kh,
-                        stride_cb, stride_cs, stride_sb, stride_ss, HALF, eps,
-                        HAS_WEIGHT, ACC, BLOCK_M, BLOCK_HALF)
+        _norm_rope_tile(
+            K,
+            KO,
+            KW,
+            Cos,
+            Sin,
+            pid - q_tiles,
+            Mk,
+            Hk,
+            S,
+            stride_kb,
+            stride_ks,
+            stride_kh,
+            stride_cb,
+            stride_cs,
+            stride_sb,
+            stride_ss,
+            HALF,
+            eps,
+            HAS_WEIGHT,
+            ACC,
+            BLOCK_M,
+            BLOCK_HALF,
+        )
 
 
 def _forward(q, k, q_weight, k_weight, cos, sin, eps: float):
@@ -143,14 +225,36 @@ def _forward(q, k, q_weight, k_weight, cos, sin, eps: float):
     grid = (triton.cdiv(Mq, cfg.BLOCK_M) + triton.cdiv(Mk, cfg.BLOCK_M),)
     with device_guard(q):
         _qk_norm_rope_fwd[grid](
-            q, k, q_out, k_out, qw, kw, cos, sin,
-            Mq, Mk, Hq, Hk, S,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
-            D // 2, eps,
-            HAS_WEIGHT=has_weight, ACC=tl_accumulation_dtype(q.dtype),
-            BLOCK_M=cfg.BLOCK_M, BLOCK_HALF=cfg.BLOCK_N // 2, num_warps=cfg.num_warps,
+            q,
+            k,
+            q_out,
+            k_out,
+            qw,
+            kw,
+            cos,
+            sin,
+            Mq,
+            Mk,
+            Hq,
+            Hk,
+            S,
+            q.stride(0),
+            q.stride(1),
+            q.stride(2),
+            k.stride(0),
+            k.stride(1),
+            k.stride(2),
+            cos.stride(0),
+            cos.stride(1),
+            sin.stride(0),
+            sin.stride(1),
+            D // 2,
+            eps,
+            HAS_WEIGHT=has_weight,
+            ACC=tl_accumulation_dtype(q.dtype),
+            BLOCK_M=cfg.BLOCK_M,
+            BLOCK_HALF=cfg.BLOCK_N // 2,
+            num_warps=cfg.num_warps,
             **LAUNCH,
         )
     return q_out, k_out
@@ -159,16 +263,37 @@ def _forward(q, k, q_weight, k_weight, cos, sin, eps: float):
 @triton.jit
 def _norm_rope_bwd_tiles(
     # pointers: input, upstream grad, dx (contiguous), weight, (G, d) dγ partials
-    X, DO, DX, W, DWP, Cos, Sin,
+    X,
+    DO,
+    DX,
+    W,
+    DWP,
+    Cos,
+    Sin,
     # this program's partial row, programs for this tensor, rows, heads, seq
-    part, G, M, H, S,
+    part,
+    G,
+    M,
+    H,
+    S,
     # x and dy may be strided views (stride 0 for a broadcast grad)
-    stride_xb, stride_xs, stride_xh,
-    stride_ob, stride_os, stride_oh,
-    stride_cb, stride_cs, stride_sb, stride_ss,
-    HALF, eps,
-    HAS_WEIGHT: tl.constexpr, COMPUTE_DW: tl.constexpr, ACC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    stride_xb,
+    stride_xs,
+    stride_xh,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_sb,
+    stride_ss,
+    HALF,
+    eps,
+    HAS_WEIGHT: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     cols = tl.arange(0, BLOCK_HALF)
     col_mask = cols < HALF
@@ -194,19 +319,23 @@ def _norm_rope_bwd_tiles(
         dx_rows = DX + rows * (2 * HALF)
         mask = row_mask[:, None] & col_mask[None, :]
         x1 = tl.load(x_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(ACC)
-        x2 = tl.load(x_rows[:, None] + HALF + cols[None, :], mask=mask,
-                     other=0.0).to(ACC)
+        x2 = tl.load(x_rows[:, None] + HALF + cols[None, :], mask=mask, other=0.0).to(
+            ACC
+        )
         do1 = tl.load(o_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(ACC)
-        do2 = tl.load(o_rows[:, None] + HALF + cols[None, :], mask=mask,
-                      other=0.0).to(ACC)
+        do2 = tl.load(o_rows[:, None] + HALF + cols[None, :], mask=mask, other=0.0).to(
+            ACC
+        )
         c_rows = Cos + batch * stride_cb + pos * stride_cs
         s_rows = Sin + batch * stride_sb + pos * stride_ss
         c1 = tl.load(c_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(ACC)
-        c2 = tl.load(c_rows[:, None] + HALF + cols[None, :], mask=mask,
-                     other=0.0).to(ACC)
+        c2 = tl.load(c_rows[:, None] + HALF + cols[None, :], mask=mask, other=0.0).to(
+            ACC
+        )
         s1 = tl.load(s_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(ACC)
-        s2 = tl.load(s_rows[:, None] + HALF + cols[None, :], mask=mask,
-                     other=0.0).to(ACC)
+        s2 = tl.load(s_rows[:, None] + HALF + cols[None, :], mask=mask, other=0.0).to(
+            ACC
+        )
         # rstd again, as the forward computed it (same sums, same order: same bits);
         # padding rows get 1 instead of 1/sqrt(eps), which is inf for eps = 0 and would
         # poison dγ with 0·inf.
@@ -244,29 +373,116 @@ def _norm_rope_bwd_tiles(
 
 @triton.jit
 def _qk_norm_rope_bwd(
-    Q, K, DQO, DKO, DQ, DK, QW, KW, DQW, DKW, Cos, Sin,
-    Mq, Mk, Hq, Hk, S, Gq, Gk,
-    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
-    stride_dqb, stride_dqs, stride_dqh, stride_dkb, stride_dks, stride_dkh,
-    stride_cb, stride_cs, stride_sb, stride_ss,
-    HALF, eps,
-    HAS_WEIGHT: tl.constexpr, COMPUTE_DQW: tl.constexpr, COMPUTE_DKW: tl.constexpr,
-    ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    Q,
+    K,
+    DQO,
+    DKO,
+    DQ,
+    DK,
+    QW,
+    KW,
+    DQW,
+    DKW,
+    Cos,
+    Sin,
+    Mq,
+    Mk,
+    Hq,
+    Hk,
+    S,
+    Gq,
+    Gk,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_dqb,
+    stride_dqs,
+    stride_dqh,
+    stride_dkb,
+    stride_dks,
+    stride_dkh,
+    stride_cb,
+    stride_cs,
+    stride_sb,
+    stride_ss,
+    HALF,
+    eps,
+    HAS_WEIGHT: tl.constexpr,
+    COMPUTE_DQW: tl.constexpr,
+    COMPUTE_DKW: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     # One launch for both tensors: Gq programs stride over q's row tiles, Gk over k's.
     pid = tl.program_id(0)
     if pid < Gq:
-        _norm_rope_bwd_tiles(Q, DQO, DQ, QW, DQW, Cos, Sin, pid, Gq, Mq, Hq, S,
-                             stride_qb, stride_qs, stride_qh, stride_dqb, stride_dqs,
-                             stride_dqh,
-                             stride_cb, stride_cs, stride_sb, stride_ss, HALF, eps,
-                             HAS_WEIGHT, COMPUTE_DQW, ACC, BLOCK_M, BLOCK_HALF)
+        _norm_rope_bwd_tiles(
+            Q,
+            DQO,
+            DQ,
+            QW,
+            DQW,
+            Cos,
+            Sin,
+            pid,
+            Gq,
+            Mq,
+            Hq,
+            S,
+            stride_qb,
+            stride_qs,
+            stride_qh,
+            stride_dqb,
+            stride_dqs,
+            stride_dqh,
+            stride_cb,
+            stride_cs,
+            stride_sb,
+            stride_ss,
+            HALF,
+            eps,
+            HAS_WEIGHT,
+            COMPUTE_DQW,
+            ACC,
+            BLOCK_M,
+            BLOCK_HALF,
+        )
     else:
-        _norm_rope_bwd_tiles(K, DKO, DK, KW, DKW, Cos, Sin, pid - Gq, Gk, Mk, Hk, S,
-                             stride_kb, stride_ks, stride_kh, stride_dkb, stride_dks,
-                             stride_dkh,
-                             stride_cb, stride_cs, stride_sb, stride_ss, HALF, eps,
-                             HAS_WEIGHT, COMPUTE_DKW, ACC, BLOCK_M, BLOCK_HALF)
+        _norm_rope_bwd_tiles(
+            K,
+            DKO,
+            DK,
+            KW,
+            DKW,
+            Cos,
+            Sin,
+            pid - Gq,
+            Gk,
+            Mk,
+            Hk,
+            S,
+            stride_kb,
+            stride_ks,
+            stride_kh,
+            stride_dkb,
+            stride_dks,
+            stride_dkh,
+            stride_cb,
+            stride_cs,
+            stride_sb,
+            stride_ss,
+            HALF,
+            eps,
+            HAS_WEIGHT,
+            COMPUTE_DKW,
+            ACC,
+            BLOCK_M,
+            BLOCK_HALF,
+        )
 
 
 def _forward_config(D: int, tile: int = MIN_TILE) -> RowConfig:
@@ -286,8 +502,9 @@ def _backward_config(D: int) -> RowConfig:
     return _forward_config(D, MIN_TILE // 2)
 
 
-def _backward(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, eps, need_dqw,
-              need_dkw):
+def _backward(
+    dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, eps, need_dqw, need_dkw
+):
     """dq, dk (contiguous, q's and k's dtype) and dγ_q, dγ_k (each weight's dtype, or
     None)."""
     B, S, Hq, D = q.shape
@@ -299,8 +516,12 @@ def _backward(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, eps, need_dqw,
     need_dqw, need_dkw = need_dqw and has_weight, need_dkw and has_weight
     if Mq + Mk == 0:
         # An empty sum is 0.
-        return (dq, dk, torch.zeros_like(q_weight) if need_dqw else None,
-                torch.zeros_like(k_weight) if need_dkw else None)
+        return (
+            dq,
+            dk,
+            torch.zeros_like(q_weight) if need_dqw else None,
+            torch.zeros_like(k_weight) if need_dkw else None,
+        )
     cfg = _backward_config(D)
     # A fixed number of programs per tensor (see normbook._reduce): deterministic dγ.
     Gq = num_partials(triton.cdiv(Mq, cfg.BLOCK_M))
@@ -315,18 +536,51 @@ def _backward(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, eps, need_dqw,
     kw = k_weight.contiguous() if has_weight else k
     with device_guard(q):
         _qk_norm_rope_bwd[(Gq + Gk,)](
-            q, k, dq_out, dk_out, dq, dk, qw, kw, dqw_part, dkw_part, cos, sin,
-            Mq, Mk, Hq, Hk, S, Gq, Gk,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+            q,
+            k,
+            dq_out,
+            dk_out,
+            dq,
+            dk,
+            qw,
+            kw,
+            dqw_part,
+            dkw_part,
+            cos,
+            sin,
+            Mq,
+            Mk,
+            Hq,
+            Hk,
+            S,
+            Gq,
+            Gk,
+            q.stride(0),
+            q.stride(1),
+            q.stride(2),
+            k.stride(0),
+            k.stride(1),
             k.stride(2),
-            dq_out.stride(0), dq_out.stride(1), dq_out.stride(2),
-            dk_out.stride(0), dk_out.stride(1), dk_out.stride(2),
-            cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
-            D // 2, eps,
-            HAS_WEIGHT=has_weight, COMPUTE_DQW=need_dqw, COMPUTE_DKW=need_dkw,
-            ACC=tl_accumulation_dtype(q.dtype), BLOCK_M=cfg.BLOCK_M,
+            dq_out.stride(0),
+            dq_out.stride(1),
+            dq_out.stride(2),
+            dk_out.stride(0),
+            dk_out.stride(1),
+            dk_out.stride(2),
+            cos.stride(0),
+            cos.stride(1),
+            sin.stride(0),
+            sin.stride(1),
+            D // 2,
+            eps,
+            HAS_WEIGHT=has_weight,
+            COMPUTE_DQW=need_dqw,
+            COMPUTE_DKW=need_dkw,
+            ACC=tl_accumulation_dtype(q.dtype),
+            BLOCK_M=cfg.BLOCK_M,
             BLOCK_HALF=cfg.BLOCK_N // 2,
-            num_warps=cfg.num_warps, **LAUNCH,
+            num_warps=cfg.num_warps,
+            **LAUNCH,
         )
         dqw = sum_partials(dqw_part, q_weight.dtype) if need_dqw else None
         dkw = sum_partials(dkw_part, k_weight.dtype) if need_dkw else None
@@ -350,10 +604,28 @@ class QKNormRoPEFunction(torch.autograd.Function):
     def backward(ctx, dq_out, dk_out):
         q, k, q_weight, k_weight, cos, sin = ctx.saved_tensors
         need = ctx.needs_input_grad
-        dq, dk, dqw, dkw = _backward(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin,
-                                     ctx.eps, need[2], need[3])
-        return (dq if need[0] else None, dk if need[1] else None, dqw, dkw, None, None,
-                None)
+        dq, dk, dqw, dkw = _backward(
+            dq_out,
+            dk_out,
+            q,
+            k,
+            q_weight,
+            k_weight,
+            cos,
+            sin,
+            ctx.eps,
+            need[2],
+            need[3],
+        )
+        return (
+            dq if need[0] else None,
+            dk if need[1] else None,
+            dqw,
+            dkw,
+            None,
+            None,
+            None,
+        )
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -366,17 +638,22 @@ def _check_rotary(t, name: str, q: torch.Tensor) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != q.dtype:
-        raise TypeError(f"{name} must have q's dtype {q.dtype} (the rotary embedding "
-                        "returns it cast to "
-                        f"the activations' dtype), got {t.dtype}")
+        raise TypeError(
+            f"{name} must have q's dtype {q.dtype} (the rotary embedding "
+            "returns it cast to "
+            f"the activations' dtype), got {t.dtype}"
+        )
     B, S, _, D = q.shape
     if t.dim() != 3 or tuple(t.shape[1:]) != (S, D) or t.shape[0] not in (1, B):
-        raise ValueError(f"{name} must have shape (batch, seq, head_dim) = ({B}, {S}, "
-                         f"{D}) "
-                         f"(or a batch of 1), got {tuple(t.shape)}")
+        raise ValueError(
+            f"{name} must have shape (batch, seq, head_dim) = ({B}, {S}, "
+            f"{D}) "
+            f"(or a batch of 1), got {tuple(t.shape)}"
+        )
     if t.device != q.device:
-        raise ValueError(f"{name} is on {t.device} but q is on {q.device}; put them on "
-                         "one device")
+        raise ValueError(
+            f"{name} is on {t.device} but q is on {q.device}; put them on one device"
+        )
 
 
 def qk_norm_rope(
@@ -429,27 +706,37 @@ def qk_norm_rope(
     _validate.check_input(q, "q")
     _validate.check_input(k, "k")
     if q.dim() != 4:
-        raise ValueError(f"q must have shape (batch, seq, n_heads, head_dim), got "
-                         f"{q.dim()} dimensions {tuple(q.shape)}")
+        raise ValueError(
+            f"q must have shape (batch, seq, n_heads, head_dim), got "
+            f"{q.dim()} dimensions {tuple(q.shape)}"
+        )
     if k.dim() != 4:
-        raise ValueError(f"k must have shape (batch, seq, n_kv_heads, head_dim), got "
-                         f"{k.dim()} dimensions {tuple(k.shape)}")
+        raise ValueError(
+            f"k must have shape (batch, seq, n_kv_heads, head_dim), got "
+            f"{k.dim()} dimensions {tuple(k.shape)}"
+        )
     if k.dtype != q.dtype:
         raise TypeError(f"k must have q's dtype {q.dtype}, got {k.dtype}")
     if k.device != q.device:
-        raise ValueError(f"k is on {k.device} but q is on {q.device}; put them on one "
-                         "device")
+        raise ValueError(
+            f"k is on {k.device} but q is on {q.device}; put them on one device"
+        )
     B, S, _, D = q.shape
     if (k.shape[0], k.shape[1], k.shape[3]) != (B, S, D):
-        raise ValueError(f"k must match q in batch, seq and head_dim: q is "
-                         f"{tuple(q.shape)}, k is {tuple(k.shape)} "
-                         "(only the number of heads may differ)")
+        raise ValueError(
+            f"k must match q in batch, seq and head_dim: q is "
+            f"{tuple(q.shape)}, k is {tuple(k.shape)} "
+            "(only the number of heads may differ)"
+        )
     if D % 2 or D == 0:
-        raise ValueError(f"head_dim must be even and > 0 (RoPE rotates pairs of "
-                         f"dimensions), got {D}")
+        raise ValueError(
+            f"head_dim must be even and > 0 (RoPE rotates pairs of dimensions), got {D}"
+        )
     if D * q.element_size() > MAX_FUSED_BYTES:
-        raise ValueError(f"head_dim {D} is too large for one block ({MAX_FUSED_BYTES} "
-                         "bytes per row at most)")
+        raise ValueError(
+            f"head_dim {D} is too large for one block ({MAX_FUSED_BYTES} "
+            "bytes per row at most)"
+        )
     if (q_weight is None) != (k_weight is None):
         raise ValueError("q_weight and k_weight must both be given or both be None")
     _validate.check_param(q_weight, "q_weight", D, q)
@@ -460,14 +747,17 @@ def qk_norm_rope(
     grad = torch.is_grad_enabled()
     for t, name in ((cos, "cos"), (sin, "sin")):
         if grad and t.requires_grad:
-            raise ValueError(f"{name} requires grad, but qk_norm_rope treats cos and "
-                             "sin as constants "
-                             "(it has no gradient for them); pass them detached, e.g. "
-                             f"{name}.detach(), as the rotary embedding (computed "
-                             "under no_grad) does")
+            raise ValueError(
+                f"{name} requires grad, but qk_norm_rope treats cos and "
+                "sin as constants "
+                "(it has no gradient for them); pass them detached, e.g. "
+                f"{name}.detach(), as the rotary embedding (computed "
+                "under no_grad) does"
+            )
     q, k, cos, sin = (_last_dim_contiguous(t) for t in (q, k, cos, sin))
-    if grad and any(t is not None and t.requires_grad
-                    for t in (q, k, q_weight, k_weight)):
+    if grad and any(
+        t is not None and t.requires_grad for t in (q, k, q_weight, k_weight)
+    ):
         return QKNormRoPEFunction.apply(q, k, q_weight, k_weight, cos, sin, eps)
     # No gradient wanted: launch the forward directly and save nothing.
     return _forward(q, k, q_weight, k_weight, cos, sin, eps)
@@ -494,8 +784,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def qk_norm_rope_torch(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6,
-                       bug: str | None = None):
+def qk_norm_rope_torch(
+    q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6, bug: str | None = None
+):
     """What the reference computes, as plain torch operations in the reference's order
     and dtypes (one kernel launch per operation), or, with ``bug`` one of :data:`BUGS`,
     a deliberately wrong variant of it. Layout as :func:`qk_norm_rope`: (batch, seq,

@@ -24,6 +24,7 @@ def _d(t):
 
 # ---------------------------------------------------------------- statistics of a row
 
+
 def mean(x):
     r"""μ = (1/n) Σ x_i."""
     return _d(x).mean(dim=-1, keepdim=True)
@@ -83,6 +84,7 @@ def chan_merge(a, b):
 
 # ---------------------------------------------------------------- the normalizations
 
+
 def rms_norm(x, weight=None, eps=1e-6, offset=0.0):
     r"""y_i = (offset + γ_i) x_i / sqrt((1/n) Σ_k x_k² + ε)   (offset 1 for Gemma's γ
     around 0)."""
@@ -119,8 +121,9 @@ def rms_norm_rounded(x, weight=None, eps=1e-6, offset=0.0, casting_mode="llama")
         return rho(y) if w is None else rho(rho(y) * w)
     if casting_mode == "gemma":
         return rho(y if w is None else y * w)
-    raise ValueError(f"casting_mode must be 'llama', 'gemma' or 'none', got "
-                     f"{casting_mode!r}")
+    raise ValueError(
+        f"casting_mode must be 'llama', 'gemma' or 'none', got {casting_mode!r}"
+    )
 
 
 def layer_norm(x, weight=None, bias=None, eps=1e-5):
@@ -150,6 +153,7 @@ def softmax(z):
 # ---------------------------------------------------------------- Jacobians and their
 # products (one row)
 
+
 def rms_norm_jacobian(x, weight=None, eps=1e-6):
     r"""J_ij = ∂y_i/∂x_j = γ_i (δ_ij / r − x_i x_j / (n r³)) for a single row x of
     length n."""
@@ -157,9 +161,9 @@ def rms_norm_jacobian(x, weight=None, eps=1e-6):
     n = x.shape[-1]
     r = rms(x, eps)[..., 0]
     g = torch.ones_like(x) if weight is None else _d(weight)
-    return g[:, None] * (torch.eye(n, dtype=f64,
-                                   device=x.device) / r - torch.outer(x,
-                                                                      x) / (n * r**3))
+    return g[:, None] * (
+        torch.eye(n, dtype=f64, device=x.device) / r - torch.outer(x, x) / (n * r**3)
+    )
 
 
 def rms_norm_vjp(x, dy, weight=None, eps=1e-6):
@@ -203,8 +207,9 @@ def layer_norm_vjp(x, dy, weight=None, eps=1e-5):
     s = torch.sqrt(variance(x) + eps)
     xhat = (x - mean(x)) / s
     g = dy if weight is None else _d(weight) * dy
-    dx = (g - g.mean(dim=-1, keepdim=True) - xhat * (g * xhat).mean(dim=-1,
-                                                                    keepdim=True)) / s
+    dx = (
+        g - g.mean(dim=-1, keepdim=True) - xhat * (g * xhat).mean(dim=-1, keepdim=True)
+    ) / s
     dw = None if weight is None else (dy * xhat).reshape(-1, n).sum(dim=0)
     db = dy.reshape(-1, n).sum(dim=0)
     return dx, dw, db
@@ -219,13 +224,15 @@ def softmax_jacobian(z):
 # ---------------------------------------------------------------- RoPE and Qwen3's
 # QK-Norm
 
+
 def rope_cos_sin(positions, head_dim, base=10000.0):
     r"""cos and sin of θ_{m,i} = m · base^(−2i/d), i < d/2, each repeated so that
     dimension i and i + d/2 share an angle (the ``rotate_half`` layout). Shapes:
     positions (..., ) → (..., d)."""
     pos = _d(positions)
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=f64,
-                                      device=pos.device) / head_dim)
+    inv_freq = base ** (
+        -torch.arange(0, head_dim, 2, dtype=f64, device=pos.device) / head_dim
+    )
     angles = pos[..., None] * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
     return torch.cos(angles), torch.sin(angles)
@@ -249,12 +256,15 @@ def apply_rope(x, cos, sin):
 def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=1e-6):
     r"""Qwen3's attention input path: per-head RMSNorm over head_dim, then RoPE. Returns
     (q, k)."""
-    return (apply_rope(rms_norm(q, q_weight, eps), cos, sin),
-            apply_rope(rms_norm(k, k_weight, eps), cos, sin))
+    return (
+        apply_rope(rms_norm(q, q_weight, eps), cos, sin),
+        apply_rope(rms_norm(k, k_weight, eps), cos, sin),
+    )
 
 
 # ---------------------------------------------------------------- softmax, log-sum-exp,
 # cross-entropy
+
 
 def logsumexp(z):
     r"""lse(z) = m + log Σ_k exp(z_k − m),  m = max z  (keepdim, along the last
@@ -309,8 +319,11 @@ def cross_entropy_grad(logits, target, ignore_index=-100, reduction="mean"):
     if reduction == "mean":
         g = g / keep.sum().to(f64)
     return g.reshape(_d(logits).shape)
+
+
 # ---------------------------------------------------------------- online softmax and
 # attention
+
 
 def online_softmax_state(z):
     r"""The online-softmax summary of a row part: (m, ℓ) = (max z, Σ exp(z − m)).
@@ -332,8 +345,9 @@ def online_softmax_merge(a, b):
     m = max(ma, mb)
     if m == float("-inf"):
         return m, 0.0  # two empty parts: still empty (and no −∞ − (−∞))
-    return m, la * torch.exp(torch.tensor(ma - m, dtype=f64)).item() \
-        + lb * torch.exp(torch.tensor(mb - m, dtype=f64)).item()
+    return m, la * torch.exp(torch.tensor(ma - m, dtype=f64)).item() + lb * torch.exp(
+        torch.tensor(mb - m, dtype=f64)
+    ).item()
 
 
 def attention_mask(seq_q, seq_k, causal=False, window=None, device=None):
@@ -424,8 +438,12 @@ def attention_backward(q, k, v, do, causal=False, scale=None, window=None):
 
     def per_kv_head(g):  # (B, H, S, D) -> (B, H_kv, S, D): sum each group of q heads
         return g.unflatten(-3, (k.shape[-3], group)).sum(dim=-3)
+
     return dq, per_kv_head(dk), per_kv_head(dv)
+
+
 # ---------------------------------------------------------------- sampling
+
 
 def sampling_probs(logits, temperature=1.0, top_k=None, top_p=None, min_p=None):
     r"""The exact distribution ``normbook.sample`` draws from, in float64, one row per
@@ -454,8 +472,9 @@ def sampling_probs(logits, temperature=1.0, top_k=None, top_p=None, min_p=None):
     if top_p is not None:
         e = torch.where(keep, torch.exp(z), 0.0)
         zs, order = torch.sort(z, dim=-1)  # ascending
-        tail = torch.flip(torch.cumsum(torch.flip(torch.gather(e, -1, order), [-1]),
-                                       -1), [-1])
+        tail = torch.flip(
+            torch.cumsum(torch.flip(torch.gather(e, -1, order), [-1]), -1), [-1]
+        )
         # tail[j] = Σ_{l ≥ j} e_(l)
         tail = torch.cat([tail, torch.zeros_like(tail[..., :1])], -1)
         first_above = torch.searchsorted(zs.contiguous(), z.contiguous(), right=True)
@@ -469,6 +488,7 @@ def sampling_probs(logits, temperature=1.0, top_k=None, top_p=None, min_p=None):
 
 # ---------------------------------------------------------------- SwiGLU and the linear
 # cross-entropy
+
 
 def silu(x):
     r"""silu(x) = x σ(x) = x / (1 + e^{−x})."""
@@ -492,8 +512,11 @@ def linear_cross_entropy(hidden, weight, target, ignore_index=-100, reduction="m
     r"""cross_entropy(h Wᵀ, t): the loss of a linear head, the logits computed in
     float64."""
     return cross_entropy(_d(hidden) @ _d(weight).T, target, ignore_index, reduction)
+
+
 # ---------------------------------------------------------------- decoding: KV cache,
 # speculation
+
 
 def cached_keys(cache, b, n, block_table=None):
     r"""Row b's first n cached keys (or values) as (H_kv, n, D): a contiguous cache (B,
@@ -508,8 +531,9 @@ def cached_keys(cache, b, n, block_table=None):
     return _d(cache.cpu()[blocks, :, j % page].transpose(0, 1))
 
 
-def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, scale=None,
-                     window=None):
+def decode_attention(
+    q, k_cache, v_cache, cache_seqlens, block_table=None, scale=None, window=None
+):
     r"""O[b] = softmax(scale · q[b] K_bᵀ + mask) V_b per row, in float64, where K_b, V_b
     are row b's n_b = cache_seqlens[b] cached keys and values and the S_q queries are
     its last S_q tokens: query i sees keys j ≤ n_b − S_q + i (bottom-right causal; with
@@ -522,7 +546,9 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, scale
             continue  # no key at all: 0
         k = cached_keys(k_cache.cpu(), b, n, block_table)[None]
         v = cached_keys(v_cache.cpu(), b, n, block_table)[None]
-        out[b] = attention(q[b:b + 1], k, v, causal=True, scale=scale, window=window)[0]
+        out[b] = attention(q[b : b + 1], k, v, causal=True, scale=scale, window=window)[
+            0
+        ]
     return out
 
 

@@ -34,9 +34,9 @@ Backward (vector-Jacobian product, per row, with :math:`\hat x = x/r` and :math:
           d\gamma = \textstyle\sum_\text{rows} dy \odot \hat x .
 
 dx is computed row by row like the forward; dγ is reduced over rows deterministically in
-two stages (see :mod:`normbook._reduce`): a fixed number G of programs each store one row
-of a (G, N) buffer of partial sums, once (no read-modify-write), and a small kernel adds
-the rows. G is chosen so that this buffer's traffic is at most 5 % of the bytes the
+two stages (see :mod:`normbook._reduce`): a fixed number G of programs each store one
+row of a (G, N) buffer of partial sums, once (no read-modify-write), and a small kernel
+adds the rows. G is chosen so that this buffer's traffic is at most 5 % of the bytes the
 backward moves anyway (:func:`backward_plan`). Rows up to 4096 elements are handled
 whole by one program, which keeps x, dy, γ and its dγ partial sums in registers. Wider
 rows take two steps: one program per row computes the correction :math:`c = \tfrac1n
@@ -75,8 +75,14 @@ import triton
 import triton.language as tl
 
 from . import _validate
-from ._config import (LAUNCH, RMS_LOOP_BLOCK_N, accumulation_dtype, rms_config,
-                      rms_split, tl_accumulation_dtype)
+from ._config import (
+    LAUNCH,
+    RMS_LOOP_BLOCK_N,
+    accumulation_dtype,
+    rms_config,
+    rms_split,
+    tl_accumulation_dtype,
+)
 from ._reduce import num_partials_within, partial_traffic_bytes, sum_partials
 from ._runtime import device_guard
 from ._triton_utils import round_to
@@ -96,11 +102,12 @@ def check_convention(offset, casting_mode, weight) -> tuple[float, int]:
         raise ValueError(f"offset must be finite, got {offset}")
     if not isinstance(casting_mode, str) or casting_mode not in CASTING_MODES:
         raise ValueError(
-            f"casting_mode must be one of {sorted(CASTING_MODES)}, "
-            f"got {casting_mode!r}")
+            f"casting_mode must be one of {sorted(CASTING_MODES)}, got {casting_mode!r}"
+        )
     if offset != 0.0 and weight is None:
-        raise ValueError(f"offset={offset} scales the weight (offset + weight): pass a "
-                         "weight")
+        raise ValueError(
+            f"offset={offset} scales the weight (offset + weight): pass a weight"
+        )
     return offset, CASTING_MODES[casting_mode]
 
 
@@ -146,8 +153,9 @@ def _rstd(sum_sq, N, eps, row_mask, DT: tl.constexpr, MODE: tl.constexpr):
 
 
 @triton.jit
-def _normalize(x, rstd, w, offset, HAS_WEIGHT: tl.constexpr, DT: tl.constexpr,
-               MODE: tl.constexpr):
+def _normalize(
+    x, rstd, w, offset, HAS_WEIGHT: tl.constexpr, DT: tl.constexpr, MODE: tl.constexpr
+):
     """y = x·rstd·(offset + w) with the roundings of ``MODE``, returned in ``DT``."""
     y = x * rstd[:, None]
     if MODE != 1:
@@ -164,13 +172,23 @@ def _normalize(x, rstd, w, offset, HAS_WEIGHT: tl.constexpr, DT: tl.constexpr,
 
 @triton.jit
 def _rms_norm_fwd(
-    X, Y, W, Rstd,              # pointers: input, output, weight, per-row 1/rms (fp32)
-    stride_x, stride_y,         # distance between rows, in elements
-    M, N, eps, offset,          # rows, row length, epsilon, γ' = offset + γ
+    X,
+    Y,
+    W,
+    Rstd,  # pointers: input, output, weight, per-row 1/rms (fp32)
+    stride_x,
+    stride_y,  # distance between rows, in elements
+    M,
+    N,
+    eps,
+    offset,  # rows, row length, epsilon, γ' = offset + γ
     # ACC: accumulation dtype, fp32 (fp64 for fp64 input)
-    HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr,
-    MODE: tl.constexpr,         # casting mode: 0 llama, 1 gemma, 2 none
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    ACC: tl.constexpr,
+    MODE: tl.constexpr,  # casting mode: 0 llama, 1 gemma, 2 none
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SINGLE_BLOCK: tl.constexpr,
 ):
     DT: tl.constexpr = Y.dtype.element_ty
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -226,10 +244,15 @@ def _rms_norm_fwd(
 
 @triton.jit
 def _rms_norm_fwd_sums(
-    X, stride_x,                # input, distance between its rows
-    Sums, N,                    # (M, N_BLOCKS) sums of squares (flat), row length
-    ACC: tl.constexpr, DT: tl.constexpr, MODE: tl.constexpr,
-    N_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr,
+    X,
+    stride_x,  # input, distance between its rows
+    Sums,
+    N,  # (M, N_BLOCKS) sums of squares (flat), row length
+    ACC: tl.constexpr,
+    DT: tl.constexpr,
+    MODE: tl.constexpr,
+    N_BLOCKS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
@@ -240,10 +263,22 @@ def _rms_norm_fwd_sums(
 
 @triton.jit
 def _rms_norm_fwd_apply(
-    X, Y, W, Rstd, Sums,        # input (or h), output, weight, 1/rms, the sums above
-    stride_x, stride_y, N, eps, offset,
-    HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
-    N_BLOCKS: tl.constexpr, BLOCKS_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+    X,
+    Y,
+    W,
+    Rstd,
+    Sums,  # input (or h), output, weight, 1/rms, the sums above
+    stride_x,
+    stride_y,
+    N,
+    eps,
+    offset,
+    HAS_WEIGHT: tl.constexpr,
+    ACC: tl.constexpr,
+    MODE: tl.constexpr,
+    N_BLOCKS: tl.constexpr,
+    BLOCKS_P2: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     DT: tl.constexpr = Y.dtype.element_ty
     rows = tl.program_id(0) + tl.arange(0, 1)
@@ -251,15 +286,19 @@ def _rms_norm_fwd_apply(
     rows = rows.to(tl.int64)
     # Every program of a row adds the same sums the same way: the same 1/rms.
     b = tl.arange(0, BLOCKS_P2)
-    sums = tl.load(Sums + rows[:, None] * N_BLOCKS + b[None, :],
-                   mask=(b < N_BLOCKS)[None, :], other=0.0)
+    sums = tl.load(
+        Sums + rows[:, None] * N_BLOCKS + b[None, :],
+        mask=(b < N_BLOCKS)[None, :],
+        other=0.0,
+    )
     rstd = _rstd(tl.sum(sums, axis=1), N, eps, rows >= 0, DT, MODE)
     if block == 0:
         tl.store(Rstd + rows, rstd)
     cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (cols < N)[None, :]
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask,
-                other=0.0).to(ACC)
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(
+        ACC
+    )
     w = x  # placeholder when there is no weight (never read)
     if HAS_WEIGHT:
         w = tl.load(W + cols, mask=cols < N, other=0.0).to(ACC)
@@ -277,21 +316,47 @@ def split_launches(x2d, y, weight, rstd, eps, offset, mode, sums_kernel, sums_ar
     acc = rstd.dtype
     sums = torch.empty((M * n_blocks,), dtype=acc, device=x2d.device)
     w = weight.contiguous() if weight is not None else x2d
-    consts = dict(ACC=tl_accumulation_dtype(acc), MODE=mode, N_BLOCKS=n_blocks,
-                  BLOCK_N=block_n, num_warps=block_n // 256, **LAUNCH)
-    dt = {torch.float32: tl.float32, torch.float16: tl.float16,
-          torch.bfloat16: tl.bfloat16, torch.float64: tl.float64}[y.dtype]
+    consts = dict(
+        ACC=tl_accumulation_dtype(acc),
+        MODE=mode,
+        N_BLOCKS=n_blocks,
+        BLOCK_N=block_n,
+        num_warps=block_n // 256,
+        **LAUNCH,
+    )
+    dt = {
+        torch.float32: tl.float32,
+        torch.float16: tl.float16,
+        torch.bfloat16: tl.bfloat16,
+        torch.float64: tl.float64,
+    }[y.dtype]
     with device_guard(x2d):
         sums_kernel[(M, n_blocks)](*sums_args, sums, N, DT=dt, **consts)
         _rms_norm_fwd_apply[(M, n_blocks)](
-            x2d, y, w, rstd, sums, x2d.stride(0), y.stride(0), N, eps, offset,
+            x2d,
+            y,
+            w,
+            rstd,
+            sums,
+            x2d.stride(0),
+            y.stride(0),
+            N,
+            eps,
+            offset,
             HAS_WEIGHT=weight is not None,
-            BLOCKS_P2=triton.next_power_of_2(n_blocks), **consts,
+            BLOCKS_P2=triton.next_power_of_2(n_blocks),
+            **consts,
         )
 
 
-def _forward(x2d: torch.Tensor, weight, eps: float, offset: float = 0.0,
-             mode: int = LLAMA, split=None):
+def _forward(
+    x2d: torch.Tensor,
+    weight,
+    eps: float,
+    offset: float = 0.0,
+    mode: int = LLAMA,
+    split=None,
+):
     """Launch the kernel on a (M, N) view; returns (y2d, rstd), rstd of shape (M,) in
     the accumulation dtype. ``split``: None chooses from N and the dtype
     (:func:`normbook._config.rms_split`); tests force it."""
@@ -305,17 +370,40 @@ def _forward(x2d: torch.Tensor, weight, eps: float, offset: float = 0.0,
     if split is None:
         split = rms_split(N, x2d.element_size())
     if split:
-        split_launches(x2d, y, weight, rstd, eps, offset, mode, _rms_norm_fwd_sums,
-                       (x2d, x2d.stride(0)))
+        split_launches(
+            x2d,
+            y,
+            weight,
+            rstd,
+            eps,
+            offset,
+            mode,
+            _rms_norm_fwd_sums,
+            (x2d, x2d.stride(0)),
+        )
         return y, rstd
     # dummy pointer when HAS_WEIGHT is False
     w = weight.contiguous() if weight is not None else x2d
     with device_guard(x2d):
         _rms_norm_fwd[(triton.cdiv(M, cfg.BLOCK_M),)](
-            x2d, y, w, rstd, x2d.stride(0), y.stride(0), M, N, eps, offset,
-            HAS_WEIGHT=weight is not None, ACC=tl_accumulation_dtype(acc), MODE=mode,
-            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, SINGLE_BLOCK=cfg.SINGLE_BLOCK,
-            num_warps=cfg.num_warps, **LAUNCH,
+            x2d,
+            y,
+            w,
+            rstd,
+            x2d.stride(0),
+            y.stride(0),
+            M,
+            N,
+            eps,
+            offset,
+            HAS_WEIGHT=weight is not None,
+            ACC=tl_accumulation_dtype(acc),
+            MODE=mode,
+            BLOCK_M=cfg.BLOCK_M,
+            BLOCK_N=cfg.BLOCK_N,
+            SINGLE_BLOCK=cfg.SINGLE_BLOCK,
+            num_warps=cfg.num_warps,
+            **LAUNCH,
         )
     return y, rstd
 
@@ -324,13 +412,28 @@ def _forward(x2d: torch.Tensor, weight, eps: float, offset: float = 0.0,
 def _rms_norm_bwd(
     # pointers: input, weight, 1/rms, upstream grads of y and of x itself, dx, (G, N) dγ
     # partials
-    X, W, Rstd, DY, DH, DX, DW,
-    stride_x, stride_dy, stride_dh, stride_dx,  # distance between rows, in elements
+    X,
+    W,
+    Rstd,
+    DY,
+    DH,
+    DX,
+    DW,
+    stride_x,
+    stride_dy,
+    stride_dh,
+    stride_dx,  # distance between rows, in elements
     # rows, row length, programs (= rows of DW), γ' = offset + γ
-    M, N, G, offset,
-    HAS_WEIGHT: tl.constexpr, HAS_DH: tl.constexpr, COMPUTE_DW: tl.constexpr,
+    M,
+    N,
+    G,
+    offset,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_DH: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
     ACC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """Rows that fit in one block: each program reads whole rows once and keeps dγ in
     registers."""
@@ -350,10 +453,12 @@ def _rms_norm_bwd(
         row_mask = rows < M
         rows = rows.to(tl.int64)  # rows * stride can pass 2**31 on a large tensor
         mask = row_mask[:, None] & col_mask[None, :]
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask,
-                    other=0.0).to(ACC)
-        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask,
-                     other=0.0).to(ACC)
+        x = tl.load(
+            X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0
+        ).to(ACC)
+        dy = tl.load(
+            DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0
+        ).to(ACC)
         # saved by the forward: no second reduction
         rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)
         xhat = x * rstd[:, None]
@@ -368,25 +473,38 @@ def _rms_norm_bwd(
         if HAS_DH:
             # fused_add_rms_norm: the gradient reaching h = x + r directly adds to the
             # norm's.
-            dx += tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask,
-                          other=0.0).to(ACC)
-        tl.store(DX + rows[:, None] * stride_dx + cols[None, :],
-                 round_to(dx, DX.dtype.element_ty), mask=mask)
+            dx += tl.load(
+                DH + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0
+            ).to(ACC)
+        tl.store(
+            DX + rows[:, None] * stride_dx + cols[None, :],
+            round_to(dx, DX.dtype.element_ty),
+            mask=mask,
+        )
         if COMPUTE_DW:
             dw_acc += dy * xhat  # masked rows and columns load as 0 and add nothing
     if COMPUTE_DW:
         # Each program's row of partial sums is stored once: no read-modify-write.
-        tl.store(DW + pid.to(tl.int64) * N + cols, tl.sum(dw_acc, axis=0),
-                 mask=col_mask)
+        tl.store(
+            DW + pid.to(tl.int64) * N + cols, tl.sum(dw_acc, axis=0), mask=col_mask
+        )
 
 
 @triton.jit
 def _rms_norm_bwd_dot(
     # pointers: input, weight, 1/rms, upstream grad, per-row correction
-    X, W, Rstd, DY, C,
-    stride_x, stride_dy,        # distance between rows, in elements
-    N, offset,                  # row length, γ' = offset + γ
-    HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr,
+    X,
+    W,
+    Rstd,
+    DY,
+    C,
+    stride_x,
+    stride_dy,  # distance between rows, in elements
+    N,
+    offset,  # row length, γ' = offset + γ
+    HAS_WEIGHT: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """Wide rows, step 1: each row's correction c = mean(x̂ ⊙ γ' ⊙ dy), one program per
     row."""
@@ -408,13 +526,29 @@ def _rms_norm_bwd_dot(
 @triton.jit
 def _rms_norm_bwd_cols(
     # pointers: ..., per-row correction (step 1), ..., (G, N) dγ partials
-    X, W, Rstd, C, DY, DH, DX, DW,
-    stride_x, stride_dy, stride_dh, stride_dx,  # distance between rows, in elements
+    X,
+    W,
+    Rstd,
+    C,
+    DY,
+    DH,
+    DX,
+    DW,
+    stride_x,
+    stride_dy,
+    stride_dh,
+    stride_dx,  # distance between rows, in elements
     # rows, row length, programs per column block (= rows of DW), γ' = offset + γ
-    M, N, G, offset,
-    HAS_WEIGHT: tl.constexpr, HAS_DH: tl.constexpr, COMPUTE_DW: tl.constexpr,
+    M,
+    N,
+    G,
+    offset,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_DH: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
     ACC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """Wide rows, step 2: program (p, j) writes dx for column block j of row tiles p, p
     + G, ... and keeps that block's dγ partial sums in registers: each partial is stored
@@ -432,10 +566,12 @@ def _rms_norm_bwd_cols(
         mask = row_mask[:, None] & col_mask[None, :]
         rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)
         c = tl.load(C + rows, mask=row_mask, other=0.0)
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask,
-                    other=0.0).to(ACC)
-        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask,
-                     other=0.0).to(ACC)
+        x = tl.load(
+            X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0
+        ).to(ACC)
+        dy = tl.load(
+            DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0
+        ).to(ACC)
         xhat = x * rstd[:, None]
         if HAS_WEIGHT:
             g = dy * w[None, :]
@@ -443,20 +579,30 @@ def _rms_norm_bwd_cols(
             g = dy
         dx = (g - xhat * c[:, None]) * rstd[:, None]
         if HAS_DH:
-            dx += tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask,
-                          other=0.0).to(ACC)
-        tl.store(DX + rows[:, None] * stride_dx + cols[None, :],
-                 round_to(dx, DX.dtype.element_ty), mask=mask)
+            dx += tl.load(
+                DH + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0
+            ).to(ACC)
+        tl.store(
+            DX + rows[:, None] * stride_dx + cols[None, :],
+            round_to(dx, DX.dtype.element_ty),
+            mask=mask,
+        )
         if COMPUTE_DW:
             dw_acc += dy * xhat
     if COMPUTE_DW:
-        tl.store(DW + pid.to(tl.int64) * N + cols, tl.sum(dw_acc, axis=0),
-                 mask=col_mask)
+        tl.store(
+            DW + pid.to(tl.int64) * N + cols, tl.sum(dw_acc, axis=0), mask=col_mask
+        )
 
 
-def backward_plan(M: int, N: int, element_size: int, weight_size: int = 0,
-                  acc_size: int = 4,
-                  sms: int | None = None):
+def backward_plan(
+    M: int,
+    N: int,
+    element_size: int,
+    weight_size: int = 0,
+    acc_size: int = 4,
+    sms: int | None = None,
+):
     """(config, G, column blocks, essential bytes, partial-sum bytes) of the backward at
     (M, N).
 
@@ -468,15 +614,22 @@ def backward_plan(M: int, N: int, element_size: int, weight_size: int = 0,
     cfg = rms_config(N, element_size, backward=True)
     col_blocks = 1 if cfg.SINGLE_BLOCK else triton.cdiv(N, cfg.BLOCK_N)
     essential = 3 * M * N * element_size + 2 * N * weight_size
-    G = num_partials_within(triton.cdiv(M, cfg.BLOCK_M), N, essential, acc_size,
-                            col_blocks, sms)
+    G = num_partials_within(
+        triton.cdiv(M, cfg.BLOCK_M), N, essential, acc_size, col_blocks, sms
+    )
     partial = partial_traffic_bytes(G, N, acc_size) if weight_size else 0
     return cfg, G, col_blocks, essential, partial
 
 
-def _backward(dy2d: torch.Tensor, x2d: torch.Tensor, weight, rstd: torch.Tensor,
-              compute_dw: bool,
-              offset: float = 0.0, dh2d: torch.Tensor | None = None):
+def _backward(
+    dy2d: torch.Tensor,
+    x2d: torch.Tensor,
+    weight,
+    rstd: torch.Tensor,
+    compute_dw: bool,
+    offset: float = 0.0,
+    dh2d: torch.Tensor | None = None,
+):
     """dx (shape of x2d, x's dtype) and dγ (weight's dtype, or None) from the saved
     forward state.
 
@@ -490,38 +643,72 @@ def _backward(dy2d: torch.Tensor, x2d: torch.Tensor, weight, rstd: torch.Tensor,
         dw = torch.zeros_like(weight) if compute_dw else None  # an empty sum is 0
         return dx, dw
     cfg, G, col_blocks, _, _ = backward_plan(
-        M, N, x2d.element_size(), weight.element_size() if compute_dw else 0,
-        rstd.element_size())
+        M,
+        N,
+        x2d.element_size(),
+        weight.element_size() if compute_dw else 0,
+        rstd.element_size(),
+    )
     # Partial sums of dγ, one row per program (per column block): each written exactly
     # once.
-    partial = torch.empty((G if compute_dw else 1, N), dtype=rstd.dtype,
-                          device=x2d.device)
+    partial = torch.empty(
+        (G if compute_dw else 1, N), dtype=rstd.dtype, device=x2d.device
+    )
     # dummy pointer when HAS_WEIGHT is False
     w = weight.contiguous() if weight is not None else x2d
     dh = dh2d if dh2d is not None else dy2d  # dummy pointer when HAS_DH is False
-    flags = dict(HAS_WEIGHT=weight is not None, HAS_DH=dh2d is not None,
-                 COMPUTE_DW=compute_dw,
-                 ACC=tl_accumulation_dtype(rstd.dtype), BLOCK_M=cfg.BLOCK_M,
-                 BLOCK_N=cfg.BLOCK_N,
-                 num_warps=cfg.num_warps, **LAUNCH)
+    flags = dict(
+        HAS_WEIGHT=weight is not None,
+        HAS_DH=dh2d is not None,
+        COMPUTE_DW=compute_dw,
+        ACC=tl_accumulation_dtype(rstd.dtype),
+        BLOCK_M=cfg.BLOCK_M,
+        BLOCK_N=cfg.BLOCK_N,
+        num_warps=cfg.num_warps,
+        **LAUNCH,
+    )
     strides = (x2d.stride(0), dy2d.stride(0), dh.stride(0), dx.stride(0))
     with device_guard(x2d):
         if cfg.SINGLE_BLOCK:
-            _rms_norm_bwd[(G,)](x2d, w, rstd, dy2d, dh, dx, partial, *strides, M, N, G,
-                                offset,
-                                **flags)
+            _rms_norm_bwd[(G,)](
+                x2d, w, rstd, dy2d, dh, dx, partial, *strides, M, N, G, offset, **flags
+            )
         else:
             # Step 1: every row's correction; step 2: column blocks with dγ in
             # registers.
             c = torch.empty((M,), dtype=rstd.dtype, device=x2d.device)
             _rms_norm_bwd_dot[(M,)](
-                x2d, w, rstd, dy2d, c, x2d.stride(0), dy2d.stride(0), N, offset,
-                HAS_WEIGHT=weight is not None, ACC=flags["ACC"],
+                x2d,
+                w,
+                rstd,
+                dy2d,
+                c,
+                x2d.stride(0),
+                dy2d.stride(0),
+                N,
+                offset,
+                HAS_WEIGHT=weight is not None,
+                ACC=flags["ACC"],
                 BLOCK_N=RMS_LOOP_BLOCK_N,
-                num_warps=RMS_LOOP_BLOCK_N // 256, **LAUNCH)
+                num_warps=RMS_LOOP_BLOCK_N // 256,
+                **LAUNCH,
+            )
             _rms_norm_bwd_cols[(G, col_blocks)](
-                x2d, w, rstd, c, dy2d, dh, dx, partial, *strides, M, N, G, offset,
-                **flags)
+                x2d,
+                w,
+                rstd,
+                c,
+                dy2d,
+                dh,
+                dx,
+                partial,
+                *strides,
+                M,
+                N,
+                G,
+                offset,
+                **flags,
+            )
     dw = sum_partials(partial, weight.dtype) if compute_dw else None
     return dx, dw
 
@@ -551,14 +738,25 @@ class RMSNormFunction(torch.autograd.Function):
             need_dw = weight is not None and ctx.needs_input_grad[1]
             dw = torch.zeros_like(weight) if need_dw else None
             return torch.zeros_like(dy), dw, None, None, None
-        dx, dw = _backward(_validate.as_rows(dy), x2d, weight, rstd,
-                           ctx.needs_input_grad[1],
-                           ctx.offset)
+        dx, dw = _backward(
+            _validate.as_rows(dy),
+            x2d,
+            weight,
+            rstd,
+            ctx.needs_input_grad[1],
+            ctx.offset,
+        )
         return dx.view(ctx.x_shape), dw, None, None, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, *,
-             offset: float = 0.0, casting_mode: str = "llama") -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    *,
+    offset: float = 0.0,
+    casting_mode: str = "llama",
+) -> torch.Tensor:
     r"""RMSNorm over the last dimension of ``x``: ``y = x / sqrt(mean(x**2) + eps) *
     (offset + weight)``.
 
@@ -591,8 +789,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     _validate.check_param(weight, "weight", n, x)
     eps = _validate.check_eps(eps)
     offset, mode = check_convention(offset, casting_mode, weight)
-    if torch.is_grad_enabled() and (x.requires_grad
-                                    or (weight is not None and weight.requires_grad)):
+    if torch.is_grad_enabled() and (
+        x.requires_grad or (weight is not None and weight.requires_grad)
+    ):
         return RMSNormFunction.apply(x, weight, eps, offset, mode)
     # No gradient wanted: launch the forward directly and save nothing.
     if x.numel() == 0:

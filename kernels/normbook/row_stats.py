@@ -36,12 +36,17 @@ from ._triton_utils import chan_combine, round_to
 
 METHODS = ("two_pass", "one_pass", "welford")
 ACC_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
-       torch.float32: tl.float32, torch.float64: tl.float64}
+_TL = {
+    torch.float16: tl.float16,
+    torch.bfloat16: tl.bfloat16,
+    torch.float32: tl.float32,
+    torch.float64: tl.float64,
+}
 
 
 # ------------------------------------------------------------------ rounding helpers
 # ("accumulate in LOW")
+
 
 @triton.jit
 def _rnd(x, LOW: tl.constexpr):
@@ -60,13 +65,19 @@ def _halves(t, BLOCK_M: tl.constexpr, H: tl.constexpr):
     t = tl.reshape(t, [BLOCK_M, 2, H])
     half = tl.arange(0, 2)[None, :, None]
     # A sum over one real element and one zero is exact: this only selects.
-    return tl.sum(tl.where(half == 0, t, 0.0),
-                  axis=1), tl.sum(tl.where(half == 1, t, 0.0), axis=1)
+    return tl.sum(tl.where(half == 0, t, 0.0), axis=1), tl.sum(
+        tl.where(half == 1, t, 0.0), axis=1
+    )
 
 
 @triton.jit
-def _row_sum(x, LOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             LOG_BLOCK_N: tl.constexpr):
+def _row_sum(
+    x,
+    LOW: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    LOG_BLOCK_N: tl.constexpr,
+):
     """Sum each row of a [BLOCK_M, BLOCK_N] tile; in LOW, as a pairwise tree with every
     partial sum rounded."""
     if LOW == tl.float16 or LOW == tl.bfloat16:
@@ -81,9 +92,15 @@ def _row_sum(x, LOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def _row_merge(mean, m2, count, LOW: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr,
-               LOG_BLOCK_N: tl.constexpr):
+def _row_merge(
+    mean,
+    m2,
+    count,
+    LOW: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    LOG_BLOCK_N: tl.constexpr,
+):
     """Merge the lanes' (mean, M2, count) summaries of each row into one, as a pairwise
     tree of Chan merges."""
     for i in tl.static_range(LOG_BLOCK_N):
@@ -99,13 +116,21 @@ def _row_merge(mean, m2, count, LOW: tl.constexpr, BLOCK_M: tl.constexpr,
 
 # ------------------------------------------------------------------ the three kernels
 
+
 @triton.jit
 def _two_pass_kernel(
-    X, Mean, Var,               # pointers: input rows, per-row mean and variance (ACC)
-    stride_x, M, N,             # distance between rows, rows, row length
+    X,
+    Mean,
+    Var,  # pointers: input rows, per-row mean and variance (ACC)
+    stride_x,
+    M,
+    N,  # distance between rows, rows, row length
     # arithmetic dtype; dtype every intermediate is rounded to
-    ACC: tl.constexpr, LOW: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOG_BLOCK_N: tl.constexpr,
+    ACC: tl.constexpr,
+    LOW: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    LOG_BLOCK_N: tl.constexpr,
     SINGLE_BLOCK: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -120,8 +145,9 @@ def _two_pass_kernel(
         mean = _rnd(_row_sum(x, LOW, BLOCK_M, BLOCK_N, LOG_BLOCK_N) / N, LOW)
         # Deviations from the mean are small numbers: squaring them cancels nothing.
         d = tl.where(mask, _rnd(x - mean[:, None], LOW), 0.0)
-        var = _rnd(_row_sum(_rnd(d * d, LOW), LOW, BLOCK_M, BLOCK_N, LOG_BLOCK_N) / N,
-                   LOW)
+        var = _rnd(
+            _row_sum(_rnd(d * d, LOW), LOW, BLOCK_M, BLOCK_N, LOG_BLOCK_N) / N, LOW
+        )
     else:
         # Pass 1: per-lane partial sums over the blocks of a wide row, then one
         # reduction.
@@ -129,8 +155,13 @@ def _two_pass_kernel(
         for off in range(0, N, BLOCK_N):
             cols = off + tl.arange(0, BLOCK_N)
             mask = row_mask[:, None] & (cols < N)[None, :]
-            acc = _rnd(acc + _rnd(tl.load(x_rows + cols[None, :], mask=mask,
-                                          other=0.0).to(ACC), LOW), LOW)
+            acc = _rnd(
+                acc
+                + _rnd(
+                    tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(ACC), LOW
+                ),
+                LOW,
+            )
         mean = _rnd(_row_sum(acc, LOW, BLOCK_M, BLOCK_N, LOG_BLOCK_N) / N, LOW)
         # Pass 2: read the row again (mostly from L2 on a GPU) and sum the squared
         # deviations.
@@ -148,11 +179,18 @@ def _two_pass_kernel(
 
 @triton.jit
 def _one_pass_kernel(
-    X, Mean, Var,               # pointers: input rows, per-row mean and variance (ACC)
-    stride_x, M, N,             # distance between rows, rows, row length
+    X,
+    Mean,
+    Var,  # pointers: input rows, per-row mean and variance (ACC)
+    stride_x,
+    M,
+    N,  # distance between rows, rows, row length
     # arithmetic dtype; dtype every intermediate is rounded to
-    ACC: tl.constexpr, LOW: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOG_BLOCK_N: tl.constexpr,
+    ACC: tl.constexpr,
+    LOW: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    LOG_BLOCK_N: tl.constexpr,
     SINGLE_BLOCK: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -178,11 +216,18 @@ def _one_pass_kernel(
 
 @triton.jit
 def _welford_kernel(
-    X, Mean, Var,               # pointers: input rows, per-row mean and variance (ACC)
-    stride_x, M, N,             # distance between rows, rows, row length
+    X,
+    Mean,
+    Var,  # pointers: input rows, per-row mean and variance (ACC)
+    stride_x,
+    M,
+    N,  # distance between rows, rows, row length
     # arithmetic dtype; dtype every intermediate is rounded to
-    ACC: tl.constexpr, LOW: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOG_BLOCK_N: tl.constexpr,
+    ACC: tl.constexpr,
+    LOW: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    LOG_BLOCK_N: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
@@ -200,14 +245,15 @@ def _welford_kernel(
         # running mean.
         count = count + mask.to(ACC)
         delta = _rnd(x - mean, LOW)
-        mean = tl.where(mask,
-                        _rnd(mean + _rnd(delta / tl.maximum(count, 1.0), LOW), LOW),
-                        mean)
+        mean = tl.where(
+            mask, _rnd(mean + _rnd(delta / tl.maximum(count, 1.0), LOW), LOW), mean
+        )
         m2 = tl.where(mask, _rnd(m2 + _rnd(delta * _rnd(x - mean, LOW), LOW), LOW), m2)
     # The lanes' summaries merged pairwise (Chan et al.): the combine step of a block
     # reduction.
-    mean_row, m2_row, _ = _row_merge(mean, m2, count, LOW, BLOCK_M, BLOCK_N,
-                                     LOG_BLOCK_N)
+    mean_row, m2_row, _ = _row_merge(
+        mean, m2, count, LOW, BLOCK_M, BLOCK_N, LOG_BLOCK_N
+    )
     # the merged count is N for every real row (and 0 for padding rows: no 0/0)
     var = _rnd(m2_row / N, LOW)
     tl.store(Mean + rows, mean_row, mask=row_mask)
@@ -234,16 +280,28 @@ def _forward(x2d: torch.Tensor, method: str, acc_dtype: torch.dtype):
         # tile: larger tiles spill registers (ptxas, sm_75/80/90). Both loop over blocks
         # of the row.
         block_n = min(cfg.BLOCK_N, STATE_TILE)
-        block_m = max(STATE_TILE // block_n,
-                      1) if cfg.SINGLE_BLOCK and block_n == cfg.BLOCK_N else 1
-        cfg = RowConfig(block_m, block_n, cfg.SINGLE_BLOCK and block_n == cfg.BLOCK_N,
-                        min(max(block_m * block_n // 256, 1), 8))
+        block_m = (
+            max(STATE_TILE // block_n, 1)
+            if cfg.SINGLE_BLOCK and block_n == cfg.BLOCK_N
+            else 1
+        )
+        cfg = RowConfig(
+            block_m,
+            block_n,
+            cfg.SINGLE_BLOCK and block_n == cfg.BLOCK_N,
+            min(max(block_m * block_n // 256, 1), 8),
+        )
     grid = (triton.cdiv(M, cfg.BLOCK_M),)
     args = (x2d, mean, var, x2d.stride(0), M, N)
-    consts = dict(ACC=_TL[acc], LOW=_TL[acc_dtype], BLOCK_M=cfg.BLOCK_M,
-                  BLOCK_N=cfg.BLOCK_N,
-                  LOG_BLOCK_N=cfg.BLOCK_N.bit_length() - 1, num_warps=cfg.num_warps,
-                  **LAUNCH)
+    consts = dict(
+        ACC=_TL[acc],
+        LOW=_TL[acc_dtype],
+        BLOCK_M=cfg.BLOCK_M,
+        BLOCK_N=cfg.BLOCK_N,
+        LOG_BLOCK_N=cfg.BLOCK_N.bit_length() - 1,
+        num_warps=cfg.num_warps,
+        **LAUNCH,
+    )
     with device_guard(x2d):
         if method == "two_pass":
             _two_pass_kernel[grid](*args, SINGLE_BLOCK=cfg.SINGLE_BLOCK, **consts)
@@ -256,8 +314,10 @@ def _forward(x2d: torch.Tensor, method: str, acc_dtype: torch.dtype):
 
 def _check_method(method) -> str:
     if not isinstance(method, str):
-        raise TypeError(f"method must be a string, one of {', '.join(METHODS)}; got "
-                        f"{type(method).__name__}")
+        raise TypeError(
+            f"method must be a string, one of {', '.join(METHODS)}; got "
+            f"{type(method).__name__}"
+        )
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
     return method
@@ -267,19 +327,23 @@ def _check_acc_dtype(acc_dtype, x: torch.Tensor) -> torch.dtype:
     if acc_dtype is None:
         return accumulation_dtype(x.dtype)
     if not isinstance(acc_dtype, torch.dtype):
-        raise TypeError(f"acc_dtype must be a torch.dtype or None, got "
-                        f"{type(acc_dtype).__name__}")
+        raise TypeError(
+            f"acc_dtype must be a torch.dtype or None, got {type(acc_dtype).__name__}"
+        )
     if acc_dtype not in ACC_DTYPES:
-        raise ValueError(f"acc_dtype must be float16, bfloat16, float32 or float64, "
-                         f"got {acc_dtype}")
+        raise ValueError(
+            f"acc_dtype must be float16, bfloat16, float32 or float64, got {acc_dtype}"
+        )
     if x.dtype == torch.float64 and acc_dtype != torch.float64:
-        raise ValueError(f"acc_dtype {acc_dtype} is narrower than x's float64; use "
-                         "float64 (or None)")
+        raise ValueError(
+            f"acc_dtype {acc_dtype} is narrower than x's float64; use float64 (or None)"
+        )
     return acc_dtype
 
 
-def row_variance(x: torch.Tensor, method: str = "welford",
-                 acc_dtype: torch.dtype | None = None):
+def row_variance(
+    x: torch.Tensor, method: str = "welford", acc_dtype: torch.dtype | None = None
+):
     r"""Mean and population variance of every row (last dimension) of ``x``.
 
     ``var = (1/n) Σ (x_i − mean)²`` — the population variance that LayerNorm uses
@@ -306,19 +370,21 @@ def row_variance(x: torch.Tensor, method: str = "welford",
     function shows how the statistics are accumulated (and how an emulated low-precision
     accumulator fails); the gradient of an emulated rounding is not a quantity anyone
     should train with, and the layers that need these statistics differentiate through
-    them in their own backward (:func:`normbook.layer_norm`). Pass ``x.detach()``, or use
-    ``torch.var_mean`` to differentiate.
+    them in their own backward (:func:`normbook.layer_norm`). Pass ``x.detach()``, or
+    use ``torch.var_mean`` to differentiate.
 
     Raises:
         TypeError / ValueError naming the bad argument, before any kernel is launched.
     """
     _validate.check_input(x, "x")
     if torch.is_grad_enabled() and x.requires_grad:
-        raise ValueError("x requires grad, but row_variance is not differentiable (it "
-                         "demonstrates "
-                         "accumulation methods); pass x.detach(), or use "
-                         "torch.var_mean(x, dim=-1, "
-                         "correction=0) to differentiate the statistics")
+        raise ValueError(
+            "x requires grad, but row_variance is not differentiable (it "
+            "demonstrates "
+            "accumulation methods); pass x.detach(), or use "
+            "torch.var_mean(x, dim=-1, "
+            "correction=0) to differentiate the statistics"
+        )
     method = _check_method(method)
     acc_dtype = _check_acc_dtype(acc_dtype, x)
     lead = x.shape[:-1]
@@ -326,7 +392,8 @@ def row_variance(x: torch.Tensor, method: str = "welford",
     if x.numel() == 0:
         acc = accumulation_dtype(acc_dtype)
         # two tensors
-        return tuple(torch.full(lead, float("nan"), dtype=acc, device=x.device)
-                     for _ in range(2))
+        return tuple(
+            torch.full(lead, float("nan"), dtype=acc, device=x.device) for _ in range(2)
+        )
     mean, var = _forward(_validate.as_rows(x), method, acc_dtype)
     return mean.view(lead), var.view(lead)

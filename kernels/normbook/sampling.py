@@ -128,9 +128,21 @@ def _key_to_z(key):
 
 
 @triton.jit
-def _search(X, x_rows, row_mask, N, rowmax, inv_temp, key_row, floor, target,
-            MASS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            SINGLE_BLOCK: tl.constexpr):
+def _search(
+    X,
+    x_rows,
+    row_mask,
+    N,
+    rowmax,
+    inv_temp,
+    key_row,
+    floor,
+    target,
+    MASS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SINGLE_BLOCK: tl.constexpr,
+):
     """Largest key t with F(t) >= target, where F(t) = #{key >= t} (MASS False) or the
     sum of e^z over key >= max(t, floor) (MASS True); F(KEY_LO) >= target is the
     caller's.
@@ -155,8 +167,15 @@ def _search(X, x_rows, row_mask, N, rowmax, inv_temp, key_row, floor, target,
             if SINGLE_BLOCK:
                 key = key_row
             else:
-                key = _tile(X, x_rows, row_mask, off + tl.arange(0, BLOCK_N), N, rowmax,
-                            inv_temp)
+                key = _tile(
+                    X,
+                    x_rows,
+                    row_mask,
+                    off + tl.arange(0, BLOCK_N),
+                    N,
+                    rowmax,
+                    inv_temp,
+                )
             if MASS:
                 e = tl.where(key >= floor[:, None], tl.exp(_key_to_z(key)), 0.0)
             for j in tl.static_range(1, _FANOUT):
@@ -178,8 +197,9 @@ def _exponential(V):
     smallest E win the race, and for small V the series V + V²/2 + ... keeps full
     relative precision (1 - V would round V's low bits away). Truncation after V⁶/6 errs
     by < V⁶/7 relatively."""
-    series = V * (1.0 + V * (0.5 + V * (1.0 / 3.0 + V * (0.25 + V * (0.2
-                                                            + V * (1.0 / 6.0))))))
+    series = V * (
+        1.0 + V * (0.5 + V * (1.0 / 3.0 + V * (0.25 + V * (0.2 + V * (1.0 / 6.0)))))
+    )
     return tl.where(V < 0.0625, series, -tl.log(1.0 - V))
 
 
@@ -194,14 +214,16 @@ def _scores(key, tau, rows, cols, N, seed, GREEDY: tl.constexpr):
     else:
         # Philox counter = the element's index in the (M, N) view: independent of
         # tiling.
-        r = tl.randint(seed, rows[:, None] * N + cols[None, :]).to(tl.uint32,
-                                                                   bitcast=True)
+        r = tl.randint(seed, rows[:, None] * N + cols[None, :]).to(
+            tl.uint32, bitcast=True
+        )
         # V in (0, 1) with 2**-32 steps near 0, where the winners' E live. (r + 0.5) has
         # 33 significant bits: the fp32 V is exact only for r < 2**23 (V < 2**-9);
         # above, the conversion rounds r to 24 bits (steps of up to 2**-24 near 1), and
         # r >= 2**32 - 128 rounds V up to 1, clamped to keep E finite.
-        V = tl.minimum((r.to(tl.float32) + 0.5) * 2.3283064365386963e-10,
-                       _ONE_MINUS_ULP)
+        V = tl.minimum(
+            (r.to(tl.float32) + 0.5) * 2.3283064365386963e-10, _ONE_MINUS_ULP
+        )
         score = z - tl.log(_exponential(V))
     return tl.where(keep, score, float("-inf"))
 
@@ -209,13 +231,25 @@ def _scores(key, tau, rows, cols, N, seed, GREEDY: tl.constexpr):
 @triton.jit
 def _sample_kernel(
     # logits, per-row max, sampled index (int64), threshold key (int32)
-    X, Rowmax, Out, Tau,
-    stride_x,                      # distance between rows, in elements
-    M, N, seed,                    # rows, vocabulary size, Philox key
-    inv_temp, top_k, top_p, log_min_p,
-    GREEDY: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
+    X,
+    Rowmax,
+    Out,
+    Tau,
+    stride_x,  # distance between rows, in elements
+    M,
+    N,
+    seed,  # rows, vocabulary size, Philox key
+    inv_temp,
+    top_k,
+    top_p,
+    log_min_p,
+    GREEDY: tl.constexpr,
+    HAS_TOP_K: tl.constexpr,
+    HAS_TOP_P: tl.constexpr,
     HAS_MIN_P: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SINGLE_BLOCK: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
@@ -234,8 +268,21 @@ def _sample_kernel(
     if HAS_TOP_K:
         # Largest t with #{key >= t} >= k: the key of the k-th largest z (ties kept).
         k = tl.full([BLOCK_M], top_k, tl.int32)
-        tau = _search(X, x_rows, row_mask, N, rowmax, inv_temp, key_row, tau, k,
-                      False, BLOCK_M, BLOCK_N, SINGLE_BLOCK)
+        tau = _search(
+            X,
+            x_rows,
+            row_mask,
+            N,
+            rowmax,
+            inv_temp,
+            key_row,
+            tau,
+            k,
+            False,
+            BLOCK_M,
+            BLOCK_N,
+            SINGLE_BLOCK,
+        )
     if HAS_TOP_P:
         # Mass of the top-k set (unnormalized: e^z <= 1, and the max contributes exactly
         # 1).
@@ -244,15 +291,35 @@ def _sample_kernel(
             if SINGLE_BLOCK:
                 key = key_row
             else:
-                key = _tile(X, x_rows, row_mask, off + tl.arange(0, BLOCK_N), N, rowmax,
-                            inv_temp)
+                key = _tile(
+                    X,
+                    x_rows,
+                    row_mask,
+                    off + tl.arange(0, BLOCK_N),
+                    N,
+                    rowmax,
+                    inv_temp,
+                )
             e = tl.where(key >= tau[:, None], tl.exp(_key_to_z(key)), 0.0)
             total += tl.sum(e, axis=1)
         # Largest t with S(t) = sum_{key >= t} e^z >= top_p' * total (top_p' = top_p
         # less the slack): the tokens at or above it are those whose
         # strictly-more-likely mass is below top_p'.
-        tau = _search(X, x_rows, row_mask, N, rowmax, inv_temp, key_row, tau,
-                      top_p * total, True, BLOCK_M, BLOCK_N, SINGLE_BLOCK)
+        tau = _search(
+            X,
+            x_rows,
+            row_mask,
+            N,
+            rowmax,
+            inv_temp,
+            key_row,
+            tau,
+            top_p * total,
+            True,
+            BLOCK_M,
+            BLOCK_N,
+            SINGLE_BLOCK,
+        )
     if HAS_MIN_P:
         # p_i >= min_p * p_max  <=>  z_i >= log(min_p): a fixed threshold, intersected.
         tau = tl.maximum(tau, _order_key(tl.full([BLOCK_M], log_min_p, tl.float32)))
@@ -293,8 +360,9 @@ def _sample_kernel(
 # one search pass, the top-p total, or (PRODUCE only) the draw's best score per tile.
 NOTHING, COUNTS, TOTAL, MASSES, DRAW = range(5)
 # The same, as the constexprs a kernel may read.
-_COUNTS, _TOTAL, _MASSES, _DRAW = (tl.constexpr(v)
-                                   for v in (COUNTS, TOTAL, MASSES, DRAW))
+_COUNTS, _TOTAL, _MASSES, _DRAW = (
+    tl.constexpr(v) for v in (COUNTS, TOTAL, MASSES, DRAW)
+)
 # Rows at least this wide are split (a function of N only, never of M). Below, the
 # extra launches (2 to 19 instead of 1) should cost more than the single program's
 # sweeps: we expect a launch to cost a few microseconds, and a 4096-element tile a pass
@@ -331,16 +399,35 @@ def _merged(Part, rows, fan, n_chunks, DT: tl.constexpr):
 
 @triton.jit
 def _sample_split_kernel(
-    X, Rowmax,
-    PartIn, PartOut,               # (M, n_chunks, FANOUT) int32 counts or fp32 masses
-    LoIn, LoOut, TauIn, TauOut, TargetIn, TargetOut,  # each row's state, (M,)
-    Best, BestIdx,                 # (M, n_chunks): each tile's best score and index
+    X,
+    Rowmax,
+    PartIn,
+    PartOut,  # (M, n_chunks, FANOUT) int32 counts or fp32 masses
+    LoIn,
+    LoOut,
+    TauIn,
+    TauOut,
+    TargetIn,
+    TargetOut,  # each row's state, (M,)
+    Best,
+    BestIdx,  # (M, n_chunks): each tile's best score and index
     # (the buffers are flat: only X is a row of the call's)
-    stride_x, M, N, seed, inv_temp, top_k, top_p, log_min_p,
-    n_chunks,                      # tiles per row
-    merge_pass, produce_pass,      # the search passes merged and produced
-    MERGE: tl.constexpr, PRODUCE: tl.constexpr, GREEDY: tl.constexpr,
-    HAS_MIN_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_x,
+    M,
+    N,
+    seed,
+    inv_temp,
+    top_k,
+    top_p,
+    log_min_p,
+    n_chunks,  # tiles per row
+    merge_pass,
+    produce_pass,  # the search passes merged and produced
+    MERGE: tl.constexpr,
+    PRODUCE: tl.constexpr,
+    GREEDY: tl.constexpr,
+    HAS_MIN_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     rows = tl.program_id(0) + tl.arange(0, 1)
     chunk = tl.program_id(1)
@@ -359,7 +446,8 @@ def _sample_split_kernel(
             acc = _merged(PartIn, rows, fan, n_chunks, tl.float32)
             ok = acc >= target[:, None]
         step = tl.full([], 1, tl.int32) << tl.maximum(
-            31 - _SEARCH_BITS * (merge_pass + 1), 0)
+            31 - _SEARCH_BITS * (merge_pass + 1), 0
+        )
         cand = lo[:, None] + fan[None, :] * step
         ok = ok | (fan[None, :] == 0)
         lo = tl.max(tl.where(ok, cand, _KEY_PAD), axis=1)
@@ -385,7 +473,8 @@ def _sample_split_kernel(
     if PRODUCE == _COUNTS or PRODUCE == _MASSES:
         # One tile's share of _search's pass: the same sums, from zero.
         step = tl.full([], 1, tl.int32) << tl.maximum(
-            31 - _SEARCH_BITS * (produce_pass + 1), 0)
+            31 - _SEARCH_BITS * (produce_pass + 1), 0
+        )
         if PRODUCE == _MASSES:
             acc = tl.zeros([1, _FANOUT], tl.float32)
             e = tl.where(key >= tau[:, None], tl.exp(_key_to_z(key)), 0.0)
@@ -447,8 +536,9 @@ def _split_steps(has_top_k, has_top_p):
     return steps + [prev + (DRAW, 0)]
 
 
-def _forward_split(x2d, rowmax, seed, inv_temp, top_k, top_p, log_min_p, *, greedy,
-                   block_n, num_warps):
+def _forward_split(
+    x2d, rowmax, seed, inv_temp, top_k, top_p, log_min_p, *, greedy, block_n, num_warps
+):
     """The split path of :func:`_forward`: len(_split_steps) launches of (M, tiles)
     programs, then one of M programs."""
     M, N = x2d.shape
@@ -457,21 +547,33 @@ def _forward_split(x2d, rowmax, seed, inv_temp, top_k, top_p, log_min_p, *, gree
     # Two of each buffer: a launch reads what the previous one wrote and writes the
     # other (programs of one launch never read what another of it writes).
     # Flat buffers, indexed as (M, chunks, FANOUT) and (M, chunks).
-    counts = [torch.empty((M * chunks * FANOUT,), dtype=torch.int32, device=dev)
-              for _ in range(2)]
-    masses = [torch.empty((M * chunks * FANOUT,), dtype=torch.float32, device=dev)
-              for _ in range(2)]
+    counts = [
+        torch.empty((M * chunks * FANOUT,), dtype=torch.int32, device=dev)
+        for _ in range(2)
+    ]
+    masses = [
+        torch.empty((M * chunks * FANOUT,), dtype=torch.float32, device=dev)
+        for _ in range(2)
+    ]
     lo = [torch.full((M,), KEY_LO, dtype=torch.int32, device=dev) for _ in range(2)]
-    tau = [torch.full((M,), KEY_PAD + 1, dtype=torch.int32, device=dev)
-           for _ in range(2)]
+    tau = [
+        torch.full((M,), KEY_PAD + 1, dtype=torch.int32, device=dev) for _ in range(2)
+    ]
     target = [torch.zeros((M,), dtype=torch.float32, device=dev) for _ in range(2)]
     best = torch.empty((M * chunks,), dtype=torch.float32, device=dev)
     best_idx = torch.empty((M * chunks,), dtype=torch.int64, device=dev)
     out = torch.empty((M,), dtype=torch.int64, device=dev)
     tau_out = torch.empty((M,), dtype=torch.int32, device=dev)
-    scalars = (x2d.stride(0), M, N, seed, inv_temp, top_k or 0,
-               1.0 if top_p is None else top_p * (1.0 - TOP_P_SLACK),
-               log_min_p or 0.0)
+    scalars = (
+        x2d.stride(0),
+        M,
+        N,
+        seed,
+        inv_temp,
+        top_k or 0,
+        1.0 if top_p is None else top_p * (1.0 - TOP_P_SLACK),
+        log_min_p or 0.0,
+    )
     steps = _split_steps(top_k is not None, top_p is not None)
     with device_guard(x2d):
         for i, (merge, merge_pass, produce, produce_pass) in enumerate(steps):
@@ -479,20 +581,56 @@ def _forward_split(x2d, rowmax, seed, inv_temp, top_k, top_p, log_min_p, *, gree
             part_in = counts[a] if merge == COUNTS else masses[a]
             part_out = counts[b] if produce == COUNTS else masses[b]
             _sample_split_kernel[(M, chunks)](
-                x2d, rowmax, part_in, part_out, lo[a], lo[b], tau[a], tau[b],
-                target[a], target[b], best, best_idx, *scalars, chunks,
-                merge_pass, produce_pass,
-                MERGE=merge, PRODUCE=produce, GREEDY=greedy,
-                HAS_MIN_P=log_min_p is not None, BLOCK_N=block_n,
-                num_warps=num_warps, **LAUNCH,
+                x2d,
+                rowmax,
+                part_in,
+                part_out,
+                lo[a],
+                lo[b],
+                tau[a],
+                tau[b],
+                target[a],
+                target[b],
+                best,
+                best_idx,
+                *scalars,
+                chunks,
+                merge_pass,
+                produce_pass,
+                MERGE=merge,
+                PRODUCE=produce,
+                GREEDY=greedy,
+                HAS_MIN_P=log_min_p is not None,
+                BLOCK_N=block_n,
+                num_warps=num_warps,
+                **LAUNCH,
             )
-        _sample_split_argmax_kernel[(M,)](best, best_idx, tau[len(steps) % 2], out,
-                                          tau_out, chunks, num_warps=1, **LAUNCH)
+        _sample_split_argmax_kernel[(M,)](
+            best,
+            best_idx,
+            tau[len(steps) % 2],
+            out,
+            tau_out,
+            chunks,
+            num_warps=1,
+            **LAUNCH,
+        )
     return out, tau_out
 
 
-def _forward(x2d, rowmax, seed, inv_temp, top_k, top_p, log_min_p, *, greedy,
-             block_n=None, split=None):
+def _forward(
+    x2d,
+    rowmax,
+    seed,
+    inv_temp,
+    top_k,
+    top_p,
+    log_min_p,
+    *,
+    greedy,
+    block_n=None,
+    split=None,
+):
     """Launch on an (M, N) view; returns (indices int64 (M,), threshold keys int32
     (M,)). ``split``: None chooses from N (:data:`SAMPLE_SPLIT_MIN_N`); tests force it
     either way (with ``block_n``, at a small N)."""
@@ -531,23 +669,47 @@ def _forward(x2d, rowmax, seed, inv_temp, top_k, top_p, log_min_p, *, greedy,
         block_m, single = 1, block_n >= N
     if split:
         # One program per tile of the looped path (the same tiles, so the same sums).
-        return _forward_split(x2d, rowmax, seed, inv_temp, top_k, top_p, log_min_p,
-                              greedy=greedy, block_n=block_n, num_warps=num_warps)
+        return _forward_split(
+            x2d,
+            rowmax,
+            seed,
+            inv_temp,
+            top_k,
+            top_p,
+            log_min_p,
+            greedy=greedy,
+            block_n=block_n,
+            num_warps=num_warps,
+        )
     with device_guard(x2d):
         _sample_kernel[(triton.cdiv(M, block_m),)](
-            x2d, rowmax, out, tau, x2d.stride(0), M, N, seed,
-            inv_temp, top_k or 0, 1.0 if top_p is None else top_p * (1.0 - TOP_P_SLACK),
+            x2d,
+            rowmax,
+            out,
+            tau,
+            x2d.stride(0),
+            M,
+            N,
+            seed,
+            inv_temp,
+            top_k or 0,
+            1.0 if top_p is None else top_p * (1.0 - TOP_P_SLACK),
             log_min_p or 0.0,
             GREEDY=greedy,
-            HAS_TOP_K=top_k is not None, HAS_TOP_P=top_p is not None,
+            HAS_TOP_K=top_k is not None,
+            HAS_TOP_P=top_p is not None,
             HAS_MIN_P=log_min_p is not None,
-            BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_BLOCK=single,
-            num_warps=num_warps, **LAUNCH,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            SINGLE_BLOCK=single,
+            num_warps=num_warps,
+            **LAUNCH,
         )
     return out, tau
 
 
 # ---------------------------------------------------------------- arguments
+
 
 def _real(value, name):
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -561,8 +723,9 @@ def _real(value, name):
 def _check_args(temperature, top_k, top_p, min_p, generator):
     temperature = _real(temperature, "temperature")
     if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 means greedy), "
-                         f"got {temperature}")
+        raise ValueError(
+            f"temperature must be >= 0 (0 means greedy), got {temperature}"
+        )
     if top_k is not None:
         if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
             raise TypeError(f"top_k must be an int or None, got {type(top_k).__name__}")
@@ -583,8 +746,9 @@ def _check_args(temperature, top_k, top_p, min_p, generator):
                 f"{type(generator).__name__}"
             )
         if not 0 <= generator < 2**63:
-            raise ValueError(f"generator as an int seed must be in [0, 2**63), got "
-                             f"{generator}")
+            raise ValueError(
+                f"generator as an int seed must be in [0, 2**63), got {generator}"
+            )
     return temperature, top_k, top_p, min_p
 
 
@@ -610,13 +774,16 @@ def _check_values(rowmax: torch.Tensor) -> None:
         if math.isnan(value):
             raise ValueError(f"logits contain NaN (row {row} of the flattened rows)")
         if value > 0:
-            raise ValueError(f"logits contain +inf (row {row}): a certain token is not "
-                             "a distribution")
+            raise ValueError(
+                f"logits contain +inf (row {row}): a certain token is not "
+                "a distribution"
+            )
         raise ValueError(f"logits row {row} is all -inf: there is no token to sample")
 
 
-def sample(logits, *, temperature=1.0, top_k=None, top_p=None, min_p=None,
-           generator=None):
+def sample(
+    logits, *, temperature=1.0, top_k=None, top_p=None, min_p=None, generator=None
+):
     r"""Draw one token index per row of ``logits`` (last dimension = vocabulary).
 
     The distribution is softmax(logits / temperature) restricted to the tokens that
@@ -647,15 +814,17 @@ def sample(logits, *, temperature=1.0, top_k=None, top_p=None, min_p=None,
         TypeError / ValueError naming the bad argument, before any kernel is launched.
     """
     _validate.check_input(logits, "logits")
-    temperature, top_k, top_p, min_p = _check_args(temperature, top_k, top_p, min_p,
-                                                   generator)
+    temperature, top_k, top_p, min_p = _check_args(
+        temperature, top_k, top_p, min_p, generator
+    )
     n = logits.shape[-1]
     out_shape = logits.shape[:-1]
     if math.prod(out_shape) == 0:
         return torch.empty(out_shape, dtype=torch.int64, device=logits.device)
     if n == 0:
-        raise ValueError("logits must have at least one entry in its last dimension "
-                         "(the vocabulary)")
+        raise ValueError(
+            "logits must have at least one entry in its last dimension (the vocabulary)"
+        )
     x2d = _validate.as_rows(logits.detach())
     rowmax = x2d.amax(dim=-1)
     _check_values(rowmax)
@@ -663,8 +832,9 @@ def sample(logits, *, temperature=1.0, top_k=None, top_p=None, min_p=None,
     return idx.view(out_shape)
 
 
-def _launch(x2d, rowmax, temperature, top_k, top_p, min_p, generator, block_n=None,
-            split=None):
+def _launch(
+    x2d, rowmax, temperature, top_k, top_p, min_p, generator, block_n=None, split=None
+):
     """Map the validated arguments onto the kernel's: constexpr flags for filters that
     act."""
     n = x2d.shape[1]
@@ -679,6 +849,15 @@ def _launch(x2d, rowmax, temperature, top_k, top_p, min_p, generator, block_n=No
         log_min_p = math.log(min_p) if min_p is not None and min_p > 0.0 else None
         if log_min_p is not None:
             log_min_p = max(log_min_p, float(torch.finfo(torch.float32).min))
-    return _forward(x2d, rowmax, 0 if seed is None else seed, inv_temp, top_k, top_p,
-                    log_min_p, greedy=seed is None, block_n=block_n,
-                    split=split)
+    return _forward(
+        x2d,
+        rowmax,
+        0 if seed is None else seed,
+        inv_temp,
+        top_k,
+        top_p,
+        log_min_p,
+        greedy=seed is None,
+        block_n=block_n,
+        split=split,
+    )

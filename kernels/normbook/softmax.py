@@ -34,11 +34,16 @@ from ._triton_utils import round_to
 
 @triton.jit
 def _softmax_fwd(
-    X, Y,                       # pointers: input rows, output rows
-    stride_x, stride_y,         # distance between rows, in elements
-    M, N,                       # rows, row length
-    ACC: tl.constexpr,          # accumulation dtype: fp32 (fp64 for fp64 input)
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
+    X,
+    Y,  # pointers: input rows, output rows
+    stride_x,
+    stride_y,  # distance between rows, in elements
+    M,
+    N,  # rows, row length
+    ACC: tl.constexpr,  # accumulation dtype: fp32 (fp64 for fp64 input)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SINGLE_BLOCK: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
@@ -94,11 +99,18 @@ def _softmax_fwd(
 @triton.jit
 def _softmax_bwd(
     # pointers: saved output p, upstream gradient, input gradient
-    Y, DY, DX,
-    stride_y, stride_dy, stride_dx,  # distance between rows, in elements
-    M, N,                       # rows, row length
+    Y,
+    DY,
+    DX,
+    stride_y,
+    stride_dy,
+    stride_dx,  # distance between rows, in elements
+    M,
+    N,  # rows, row length
     ACC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SINGLE_BLOCK: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
@@ -134,8 +146,9 @@ def _softmax_bwd(
             p = tl.load(y_rows + cols[None, :], mask=mask, other=0.0).to(ACC)
             dy = tl.load(dy_rows + cols[None, :], mask=mask, other=0.0).to(ACC)
             dx = p * (dy - c[:, None])
-            tl.store(dx_rows + cols[None, :], round_to(dx, DX.dtype.element_ty),
-                     mask=mask)
+            tl.store(
+                dx_rows + cols[None, :], round_to(dx, DX.dtype.element_ty), mask=mask
+            )
 
 
 def _forward(x2d: torch.Tensor) -> torch.Tensor:
@@ -148,10 +161,18 @@ def _forward(x2d: torch.Tensor) -> torch.Tensor:
     cfg = row_config(M, N, x2d.element_size())
     with device_guard(x2d):
         _softmax_fwd[(triton.cdiv(M, cfg.BLOCK_M),)](
-            x2d, y, x2d.stride(0), y.stride(0), M, N,
+            x2d,
+            y,
+            x2d.stride(0),
+            y.stride(0),
+            M,
+            N,
             ACC=tl_accumulation_dtype(accumulation_dtype(x2d.dtype)),
-            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, SINGLE_BLOCK=cfg.SINGLE_BLOCK,
-            num_warps=cfg.num_warps, **LAUNCH,
+            BLOCK_M=cfg.BLOCK_M,
+            BLOCK_N=cfg.BLOCK_N,
+            SINGLE_BLOCK=cfg.SINGLE_BLOCK,
+            num_warps=cfg.num_warps,
+            **LAUNCH,
         )
     return y
 
@@ -169,10 +190,20 @@ def _backward(dy2d: torch.Tensor, y2d: torch.Tensor) -> torch.Tensor:
     cfg = row_config(M, N, 2 * y2d.element_size())
     with device_guard(y2d):
         _softmax_bwd[(triton.cdiv(M, cfg.BLOCK_M),)](
-            y2d, dy2d, dx, y2d.stride(0), dy2d.stride(0), dx.stride(0), M, N,
+            y2d,
+            dy2d,
+            dx,
+            y2d.stride(0),
+            dy2d.stride(0),
+            dx.stride(0),
+            M,
+            N,
             ACC=tl_accumulation_dtype(accumulation_dtype(y2d.dtype)),
-            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, SINGLE_BLOCK=cfg.SINGLE_BLOCK,
-            num_warps=cfg.num_warps, **LAUNCH,
+            BLOCK_M=cfg.BLOCK_M,
+            BLOCK_N=cfg.BLOCK_N,
+            SINGLE_BLOCK=cfg.SINGLE_BLOCK,
+            num_warps=cfg.num_warps,
+            **LAUNCH,
         )
     return dx
 
@@ -221,8 +252,9 @@ def _check_dim(dim, ndim: int) -> int:
     if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
         raise TypeError(f"dim must be an int, got {type(dim).__name__}")
     if not -ndim <= dim < ndim:
-        raise ValueError(f"dim must be in [{-ndim}, {ndim - 1}] for a {ndim}-D x, got "
-                         f"{dim}")
+        raise ValueError(
+            f"dim must be in [{-ndim}, {ndim - 1}] for a {ndim}-D x, got {dim}"
+        )
     return int(dim) % ndim
 
 

@@ -31,33 +31,46 @@ PROB_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def _check(draft_tokens, draft_probs, target_probs, generator):
-    for name, t in (("draft_tokens", draft_tokens), ("draft_probs", draft_probs),
-                    ("target_probs", target_probs)):
+    for name, t in (
+        ("draft_tokens", draft_tokens),
+        ("draft_probs", draft_probs),
+        ("target_probs", target_probs),
+    ):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         _validate.check_device(t, name)
     if draft_tokens.dtype != torch.int64:
-        raise TypeError("draft_tokens must be int64 token ids, got "
-                        f"{draft_tokens.dtype}")
+        raise TypeError(
+            f"draft_tokens must be int64 token ids, got {draft_tokens.dtype}"
+        )
     for name, t in (("draft_probs", draft_probs), ("target_probs", target_probs)):
         if t.dtype not in PROB_DTYPES:
-            raise TypeError(f"{name} must be floating-point probabilities "
-                            f"(float32/float16/bfloat16/float64), got {t.dtype}")
+            raise TypeError(
+                f"{name} must be floating-point probabilities "
+                f"(float32/float16/bfloat16/float64), got {t.dtype}"
+            )
         if t.dim() != 3:
-            raise ValueError(f"{name} must have 3 dimensions (batch, position, "
-                             f"vocabulary), got shape {tuple(t.shape)}")
+            raise ValueError(
+                f"{name} must have 3 dimensions (batch, position, "
+                f"vocabulary), got shape {tuple(t.shape)}"
+            )
     if draft_tokens.dim() != 2:
-        raise ValueError("draft_tokens must have shape (B, K), got "
-                         f"{tuple(draft_tokens.shape)}")
+        raise ValueError(
+            f"draft_tokens must have shape (B, K), got {tuple(draft_tokens.shape)}"
+        )
     B, K = draft_tokens.shape
     if draft_probs.shape[:2] != (B, K):
-        raise ValueError(f"draft_probs must have shape ({B}, {K}, V) to match "
-                         f"draft_tokens (B, K), got {tuple(draft_probs.shape)}")
+        raise ValueError(
+            f"draft_probs must have shape ({B}, {K}, V) to match "
+            f"draft_tokens (B, K), got {tuple(draft_probs.shape)}"
+        )
     V = draft_probs.shape[2]
     if tuple(target_probs.shape) != (B, K + 1, V):
-        raise ValueError(f"target_probs must have shape ({B}, {K + 1}, {V}): "
-                         "(B, K + 1, V) with draft_probs' B, K and V, got "
-                         f"{tuple(target_probs.shape)}")
+        raise ValueError(
+            f"target_probs must have shape ({B}, {K + 1}, {V}): "
+            "(B, K + 1, V) with draft_probs' B, K and V, got "
+            f"{tuple(target_probs.shape)}"
+        )
     if V == 0:
         raise ValueError("the vocabulary (last dimension) must not be empty")
     for name, t in (("draft_probs", draft_probs), ("target_probs", target_probs)):
@@ -73,27 +86,34 @@ def _check_values(draft_tokens, q, p):
     V = q.shape[-1]
     in_range = (draft_tokens >= 0) & (draft_tokens < V)
     q_x = q.gather(-1, draft_tokens.clamp(0, V - 1)[..., None])[..., 0]
-    flags = torch.stack([
-        ~in_range.all(),
-        ~(torch.isfinite(q).all() & torch.isfinite(p).all()),
-        (q < 0).any() | (p < 0).any(),
-        ~((q.sum(-1) > 0).all() & (p.sum(-1) > 0).all()),
-        (in_range & (q_x <= 0)).any(),
-    ]).tolist()
+    flags = torch.stack(
+        [
+            ~in_range.all(),
+            ~(torch.isfinite(q).all() & torch.isfinite(p).all()),
+            (q < 0).any() | (p < 0).any(),
+            ~((q.sum(-1) > 0).all() & (p.sum(-1) > 0).all()),
+            (in_range & (q_x <= 0)).any(),
+        ]
+    ).tolist()
     if flags[0]:
-        raise ValueError(f"draft_tokens must be in [0, {V}) (the vocabulary), got "
-                         f"values in [{int(draft_tokens.min())}, "
-                         f"{int(draft_tokens.max())}]")
+        raise ValueError(
+            f"draft_tokens must be in [0, {V}) (the vocabulary), got "
+            f"values in [{int(draft_tokens.min())}, "
+            f"{int(draft_tokens.max())}]"
+        )
     if flags[1]:
         raise ValueError("draft_probs and target_probs must be finite (no NaN or inf)")
     if flags[2]:
         raise ValueError("draft_probs and target_probs must be >= 0")
     if flags[3]:
-        raise ValueError("every distribution in draft_probs and target_probs needs "
-                         "positive mass")
+        raise ValueError(
+            "every distribution in draft_probs and target_probs needs positive mass"
+        )
     if flags[4]:
-        raise ValueError("a draft token has draft probability 0: it cannot have been "
-                         "drawn from draft_probs")
+        raise ValueError(
+            "a draft token has draft probability 0: it cannot have been "
+            "drawn from draft_probs"
+        )
 
 
 def _draw(weights, u):

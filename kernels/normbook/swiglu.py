@@ -39,10 +39,17 @@ def _sigmoid(g):
 
 @triton.jit
 def _swiglu_fwd(
-    G, U, Y,                            # pointers: gate, up, output
-    stride_g, stride_u, stride_y,       # row strides in elements (columns contiguous)
-    M, N,
-    ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    G,
+    U,
+    Y,  # pointers: gate, up, output
+    stride_g,
+    stride_u,
+    stride_y,  # row strides in elements (columns contiguous)
+    M,
+    N,
+    ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -57,10 +64,21 @@ def _swiglu_fwd(
 
 @triton.jit
 def _swiglu_bwd(
-    G, U, DY, DG, DU,                   # pointers: gate, up, dy, and dgate, dup
-    stride_g, stride_u, stride_dy, stride_dg, stride_du,
-    M, N,
-    ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    G,
+    U,
+    DY,
+    DG,
+    DU,  # pointers: gate, up, dy, and dgate, dup
+    stride_g,
+    stride_u,
+    stride_dy,
+    stride_dg,
+    stride_du,
+    M,
+    N,
+    ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -101,9 +119,19 @@ def _forward(g2d: torch.Tensor, u2d: torch.Tensor) -> torch.Tensor:
     block_m, block_n, num_warps = _config(M, N)
     with device_guard(g2d):
         _swiglu_fwd[_grid(M, N, block_m, block_n)](
-            g2d, u2d, y, g2d.stride(0), u2d.stride(0), y.stride(0), M, N,
-            ACC=tl_accumulation_dtype(g2d.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
-            num_warps=num_warps, **LAUNCH,
+            g2d,
+            u2d,
+            y,
+            g2d.stride(0),
+            u2d.stride(0),
+            y.stride(0),
+            M,
+            N,
+            ACC=tl_accumulation_dtype(g2d.dtype),
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            num_warps=num_warps,
+            **LAUNCH,
         )
     return y
 
@@ -117,11 +145,23 @@ def _backward(g2d, u2d, dy2d):
     block_m, block_n, num_warps = _config(M, N)
     with device_guard(g2d):
         _swiglu_bwd[_grid(M, N, block_m, block_n)](
-            g2d, u2d, dy2d, dg, du,
-            g2d.stride(0), u2d.stride(0), dy2d.stride(0), dg.stride(0), du.stride(0),
-            M, N,
-            ACC=tl_accumulation_dtype(g2d.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
-            num_warps=num_warps, **LAUNCH,
+            g2d,
+            u2d,
+            dy2d,
+            dg,
+            du,
+            g2d.stride(0),
+            u2d.stride(0),
+            dy2d.stride(0),
+            dg.stride(0),
+            du.stride(0),
+            M,
+            N,
+            ACC=tl_accumulation_dtype(g2d.dtype),
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            num_warps=num_warps,
+            **LAUNCH,
         )
     return dg, du
 
@@ -162,8 +202,10 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     _validate.check_input(gate, "gate")
     _validate.check_input(up, "up")
     if gate.shape != up.shape:
-        raise ValueError(f"gate and up must have one shape, got gate "
-                         f"{tuple(gate.shape)} and up {tuple(up.shape)}")
+        raise ValueError(
+            f"gate and up must have one shape, got gate "
+            f"{tuple(gate.shape)} and up {tuple(up.shape)}"
+        )
     if up.dtype != gate.dtype:
         raise TypeError(f"up must have gate's dtype, {gate.dtype}, got {up.dtype}")
     _validate.check_same_device("up", up, "gate", gate)

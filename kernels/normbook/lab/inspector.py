@@ -71,8 +71,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[3]
 SOURCE_ROOT = ROOT / "kernels"
 DATA = ROOT / "data"
 
-CACHE = pathlib.Path(os.environ.get("NORMBOOK_INSPECT_CACHE",
-                                    pathlib.Path.home() / ".cache" / "normbook-inspect"))
+CACHE = pathlib.Path(
+    os.environ.get(
+        "NORMBOOK_INSPECT_CACHE", pathlib.Path.home() / ".cache" / "normbook-inspect"
+    )
+)
 #: The recorded table (see the module's docstring). ``NORMBOOK_INSPECT_RECORDED`` names
 #: another file, or, empty, none: every variant compiled.
 RECORDED = DATA / "inspect" / "variants.jsonl"
@@ -89,18 +92,23 @@ class GPU:
 
     name: str
     sms: int
-    bandwidth: float          # bytes/s, datasheet peak of the memory
-    max_threads: int          # resident threads per SM
-    max_ctas: int             # resident CTAs per SM
-    regs: int = 65536         # 32-bit registers per SM
-    smem: int = 228 * 1024    # shared memory per SM, bytes
+    bandwidth: float  # bytes/s, datasheet peak of the memory
+    max_threads: int  # resident threads per SM
+    max_ctas: int  # resident CTAs per SM
+    regs: int = 65536  # 32-bit registers per SM
+    smem: int = 228 * 1024  # shared memory per SM, bytes
     # shared memory the system reserves per CTA (sm_80 and newer)
     smem_reserved: int = 1024
 
 
 GPUS = {
-    90: GPU("H100 SXM (132 SMs; an H200 has the same SMs and 4.8 TB/s)", 132, 3.35e12,
-            2048, 32),
+    90: GPU(
+        "H100 SXM (132 SMs; an H200 has the same SMs and 4.8 TB/s)",
+        132,
+        3.35e12,
+        2048,
+        32,
+    ),
     80: GPU("A100 SXM4 80GB (108 SMs)", 108, 2.039e12, 2048, 32, smem=164 * 1024),
     75: GPU("T4 (40 SMs)", 40, 320e9, 1024, 16, smem=64 * 1024, smem_reserved=0),
 }
@@ -120,9 +128,12 @@ ARCHS = tuple(GPUS)
 
 # ---------------------------------------------------------------- the shapes
 
+
 def bench_shapes() -> list[tuple[str, int, int]]:
     """(label, M, N): the benchmark's sweep (normbook.lab.bench) and the decode shapes."""
-    from normbook.lab.bench import cases  # no torch.cuda use at import: safe in the child
+    from normbook.lab.bench import (
+        cases,
+    )  # no torch.cuda use at import: safe in the child
 
     shapes = [("bench", cases.ELEMENTS // n, n) for n in cases.SWEEP]
     shapes += [("decode", m, n) for n in cases.DECODE_N for m in cases.DECODE_M]
@@ -170,8 +181,12 @@ def analyze_ptx(ptx: str, pointer_params: dict[int, str]) -> dict:
     for _ in range(8):
         changed = False
         for line in lines:
-            if (not line or line.startswith(("//", ".", "$")) or _ACCESS.search(line)
-                    or "ld.param" in line):
+            if (
+                not line
+                or line.startswith(("//", ".", "$"))
+                or _ACCESS.search(line)
+                or "ld.param" in line
+            ):
                 continue
             # "@%p1 op.type dest, src, ...;": only a 64-bit destination can hold an
             # address.
@@ -208,8 +223,14 @@ def analyze_ptx(ptx: str, pointer_params: dict[int, str]) -> dict:
         owners = sorted(taint.get(a.group(1), ())) if a else []
         inner = [lp for lp in loops if lp[0] <= i <= lp[1]]
         loop = min(inner, key=lambda lp: lp[1] - lp[0]) if inner else None
-        accesses.append({"op": m.group(1), "bits": _access_bits(m.group(2)),
-                         "args": owners, "loop": loop})
+        accesses.append(
+            {
+                "op": m.group(1),
+                "bits": _access_bits(m.group(2)),
+                "args": owners,
+                "loop": loop,
+            }
+        )
     math_ops: dict[str, int] = {}
     for line in lines:
         for op in _MATH.findall(line):
@@ -226,11 +247,20 @@ def _ptxas(ptx: str, arch: int, fp_fusion: bool) -> dict:
         src = pathlib.Path(tmp) / "k.ptx"
         src.write_text(ptx)
         fmad = [] if fp_fusion else ["--fmad=false"]
-        cmd = [get_ptxas(arch).path, "-lineinfo", *fmad, "-v", "--regAllocOptLevel=2",
-               f"--gpu-name={sm_arch_from_capability(arch)}", str(src),
-               "-o", str(src) + ".o"]
-        return parse_ptxas_log(subprocess.run(cmd, capture_output=True, text=True,
-                                              check=True).stderr)
+        cmd = [
+            get_ptxas(arch).path,
+            "-lineinfo",
+            *fmad,
+            "-v",
+            "--regAllocOptLevel=2",
+            f"--gpu-name={sm_arch_from_capability(arch)}",
+            str(src),
+            "-o",
+            str(src) + ".o",
+        ]
+        return parse_ptxas_log(
+            subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+        )
 
 
 def parse_ptxas_log(log: str) -> dict:
@@ -238,11 +268,13 @@ def parse_ptxas_log(log: str) -> dict:
         m = re.search(pattern, log)
         return int(m.group(1)) if m else 0
 
-    return {"registers": num(r"Used (\d+) registers"),
-            "spill_stores": num(r"(\d+) bytes spill stores"),
-            "spill_loads": num(r"(\d+) bytes spill loads"),
-            "stack": num(r"(\d+) bytes stack frame"),
-            "static_smem": num(r"(\d+) bytes smem")}
+    return {
+        "registers": num(r"Used (\d+) registers"),
+        "spill_stores": num(r"(\d+) bytes spill stores"),
+        "spill_loads": num(r"(\d+) bytes spill loads"),
+        "stack": num(r"(\d+) bytes stack frame"),
+        "static_smem": num(r"(\d+) bytes smem"),
+    }
 
 
 _PTXAS_LOGS: list[str] = []
@@ -273,6 +305,7 @@ def _keep_ptxas_logs() -> None:
 
 # ---------------------------------------------------------------- the model
 
+
 def occupancy(gpu: GPU, registers: int, num_warps: int, smem: int) -> tuple[int, str]:
     """Resident CTAs per SM and what limits them (CUDA occupancy calculator's rules:
     registers are allocated per warp in units of 256)."""
@@ -296,6 +329,7 @@ def littles_law_bytes(gpu: GPU, latency_ns: float = LATENCY_NS) -> float:
 
 # ---------------------------------------------------------------- the child process
 
+
 def _fake_cuda(arch: int) -> None:
     """Make torch report a CUDA device of ``arch`` so that ``kernels`` defines compiled
     kernels."""
@@ -305,11 +339,17 @@ def _fake_cuda(arch: int) -> None:
 
     gpu = GPUS[arch]
     props = types.SimpleNamespace(
-        name=f"compile-only {gpu.name}", major=arch // 10, minor=arch % 10,
-        multi_processor_count=gpu.sms, max_threads_per_multi_processor=gpu.max_threads,
-        regs_per_multiprocessor=gpu.regs, total_memory=80 * 2**30,
+        name=f"compile-only {gpu.name}",
+        major=arch // 10,
+        minor=arch % 10,
+        multi_processor_count=gpu.sms,
+        max_threads_per_multi_processor=gpu.max_threads,
+        regs_per_multiprocessor=gpu.regs,
+        total_memory=80 * 2**30,
         L2_cache_size=50 * 2**20,
-        shared_memory_per_block_optin=gpu.smem - gpu.smem_reserved, warp_size=32)
+        shared_memory_per_block_optin=gpu.smem - gpu.smem_reserved,
+        warp_size=32,
+    )
     torch.cuda.is_available = lambda: True
     torch.cuda.device_count = lambda: 1
     torch.cuda.current_device = lambda: 0
@@ -322,8 +362,12 @@ def _fake_cuda(arch: int) -> None:
 #: k, ...)
 _INPUTS: set[int] = set()
 
-TORCH_TO_TRITON = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16",
-                   "float64": "fp64"}
+TORCH_TO_TRITON = {
+    "float32": "fp32",
+    "float16": "fp16",
+    "bfloat16": "bf16",
+    "float64": "fp64",
+}
 
 
 class _Capture:
@@ -354,21 +398,35 @@ class _Capture:
                 kwargs[knob] = getattr(knobs.compilation, knob)
         backend = make_backend(self.target)
         if fn not in self.binders:
-            self.binders[fn] = create_function_from_signature(fn.signature, fn.params,
-                                                              backend)
+            self.binders[fn] = create_function_from_signature(
+                fn.signature, fn.params, backend
+            )
         bound, specialization, options = self.binders[fn](*args, **kwargs)
-        options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound,
-                                                              specialization, options)
+        options, signature, constexprs, attrs = fn._pack_args(
+            backend, kwargs, bound, specialization, options
+        )
         grid = grid(bound) if callable(grid) else grid
         grid = tuple(grid) + (1,) * (3 - len(grid))
-        tensors = {k: {"shape": list(v.shape), "input": v.data_ptr() in _INPUTS,
-                       "dtype": TORCH_TO_TRITON.get(str(v.dtype).replace("torch.", ""),
-                                                    str(v.dtype))}
-                   for k, v in bound.items() if isinstance(v, torch.Tensor)}
-        ints = {k: v for k, v in bound.items() if isinstance(v, int)
-                and not isinstance(v, bool)}
-        consts = {str(k[0] if isinstance(k, tuple) and len(k) == 1 else k): v for k,
-                  v in constexprs.items()}
+        tensors = {
+            k: {
+                "shape": list(v.shape),
+                "input": v.data_ptr() in _INPUTS,
+                "dtype": TORCH_TO_TRITON.get(
+                    str(v.dtype).replace("torch.", ""), str(v.dtype)
+                ),
+            }
+            for k, v in bound.items()
+            if isinstance(v, torch.Tensor)
+        }
+        ints = {
+            k: v
+            for k, v in bound.items()
+            if isinstance(v, int) and not isinstance(v, bool)
+        }
+        consts = {
+            str(k[0] if isinstance(k, tuple) and len(k) == 1 else k): v
+            for k, v in constexprs.items()
+        }
         names = [p.name for p in fn.params]
         consts = {names[int(k)] if k.isdigit() else k: v for k, v in consts.items()}
         # Triton's version too: fn.cache_key hashes the source only (and its first
@@ -378,21 +436,36 @@ class _Capture:
         # that change a compile (TRITON_DISABLE_LINE_INFO, DISABLE_PTXAS_OPT, ...).
         if self.target.arch not in self.backend_keys:
             self.backend_keys[self.target.arch] = backend.hash()
-        key = json.dumps([triton.__version__, fn.cache_key, {k: str(v) for k,
-                                                             v in signature.items()},
-                          {k: str(v) for k,
-                           v in consts.items()}, str(sorted(attrs.items())),
-                          options.hash(), self.target.arch,
-                          self.backend_keys[self.target.arch], _compile_env()],
-                          sort_keys=True)
-        self.launches.append({
-            "phase": self.phase, "kernel": fn.__name__,
-            "key": hashlib.sha256(key.encode()).hexdigest()[:20],
-            "grid": list(grid), "tensors": tensors, "ints": ints,
-            "constexprs": {k: str(v) for k, v in consts.items()
-                           if not isinstance(v, type(None))},
-            "_compile": (fn, signature, constexprs, attrs, options),
-        })
+        key = json.dumps(
+            [
+                triton.__version__,
+                fn.cache_key,
+                {k: str(v) for k, v in signature.items()},
+                {k: str(v) for k, v in consts.items()},
+                str(sorted(attrs.items())),
+                options.hash(),
+                self.target.arch,
+                self.backend_keys[self.target.arch],
+                _compile_env(),
+            ],
+            sort_keys=True,
+        )
+        self.launches.append(
+            {
+                "phase": self.phase,
+                "kernel": fn.__name__,
+                "key": hashlib.sha256(key.encode()).hexdigest()[:20],
+                "grid": list(grid),
+                "tensors": tensors,
+                "ints": ints,
+                "constexprs": {
+                    k: str(v)
+                    for k, v in consts.items()
+                    if not isinstance(v, type(None))
+                },
+                "_compile": (fn, signature, constexprs, attrs, options),
+            }
+        )
 
 
 def _compile_env() -> list:
@@ -405,8 +478,9 @@ def _compile_env() -> list:
     return sorted(get_cache_invalidating_env_vars().items())
 
 
-def _compile_and_read(fn, signature, constexprs, attrs, options, target,
-                      key: str, need_ptx: bool = False) -> dict:
+def _compile_and_read(
+    fn, signature, constexprs, attrs, options, target, key: str, need_ptx: bool = False
+) -> dict:
     """Lower one specialized variant to PTX (Triton's pipeline), run ptxas -v, read the
     PTX; cached. Unless the PTX itself is asked for, a variant of the recorded table is
     read from there."""
@@ -427,8 +501,11 @@ def _compile_and_read(fn, signature, constexprs, attrs, options, target,
     # variants rarely wait for each other with a few compilers running.
     with _compile_lock(key):
         cached = _cached(path, triton.__version__)
-        return cached if cached is not None else _compile(fn, signature, constexprs,
-                                                          attrs, options, target, path)
+        return (
+            cached
+            if cached is not None
+            else _compile(fn, signature, constexprs, attrs, options, target, path)
+        )
 
 
 def _cached(path: pathlib.Path, version: str) -> dict | None:
@@ -475,9 +552,22 @@ def recorded_path() -> pathlib.Path | None:
 
 
 #: What analysis_version hashes: the functions and patterns that make an entry.
-_ANALYSIS = {"_access_bits", "analyze_ptx", "_ptxas", "parse_ptxas_log", "_ptx_sha",
-             "_compile", "_PARAM", "_ACCESS", "_ADDR", "_REG", "_LABEL", "_BRANCH",
-             "_MATH", "_TYPE_BITS"}
+_ANALYSIS = {
+    "_access_bits",
+    "analyze_ptx",
+    "_ptxas",
+    "parse_ptxas_log",
+    "_ptx_sha",
+    "_compile",
+    "_PARAM",
+    "_ACCESS",
+    "_ADDR",
+    "_REG",
+    "_LABEL",
+    "_BRANCH",
+    "_MATH",
+    "_TYPE_BITS",
+}
 
 
 _ANALYSIS_VERSION: list = []
@@ -489,7 +579,8 @@ _RECORDED_LOCK = threading.RLock()
 
 def analysis_version() -> str:
     """A hash of the code that turns the compiler's output into an entry (the PTX
-    reader, the ptxas log's parser, the PTX's hash), as this file spells it: an entry
+    reader, the ptxas log's parser, the PTX's hash), as code (its syntax tree, wherever
+    in the inspector's files it lives, comments and docstrings aside): an entry
     keeps its variant's key when this code changes, so the recorded table names the
     version it was read with, and another version's table is not read."""
     with _RECORDED_LOCK:
@@ -501,15 +592,36 @@ def analysis_version() -> str:
 def _analysis_version() -> str:
     import ast
 
-    text = pathlib.Path(__file__).read_text()
     parts = []
-    for node in ast.parse(text).body:
-        targets = getattr(node, "targets", [])
-        names = ({node.name} if isinstance(node, ast.FunctionDef) else
-                 {t.id for t in targets if isinstance(t, ast.Name)})
-        if names & _ANALYSIS:
-            parts.append(ast.get_source_segment(text, node))
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+    for path in sorted(pathlib.Path(__file__).parent.glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            targets = getattr(node, "targets", [])
+            names = (
+                {node.name}
+                if isinstance(node, ast.FunctionDef)
+                else {t.id for t in targets if isinstance(t, ast.Name)}
+            )
+            if names & _ANALYSIS:
+                parts.append(ast.dump(_without_docstring(node)))
+    return hashlib.sha256("\n".join(sorted(parts)).encode()).hexdigest()[:16]
+
+
+def _without_docstring(node):
+    """The node as code, not as text: a docstring, a comment, a line break or the
+    module the function lives in do not change what it computes."""
+    import ast
+    import copy
+
+    body = getattr(node, "body", None)
+    if (
+        body
+        and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant)
+        and isinstance(body[0].value.value, str)
+    ):
+        node = copy.copy(node)
+        node.body = body[1:]
+    return node
 
 
 def recorded_header(path: pathlib.Path | None = None) -> dict:
@@ -542,8 +654,10 @@ def _load_recorded(path: pathlib.Path) -> dict:
 
     table = {}
     header = recorded_header(path)
-    if (header.get("triton") == triton.__version__
-            and header.get("analysis") == analysis_version()):
+    if (
+        header.get("triton") == triton.__version__
+        and header.get("analysis") == analysis_version()
+    ):
         with open(path) as f:
             next(f)
             for n, line in enumerate(f, start=2):
@@ -553,15 +667,18 @@ def _load_recorded(path: pathlib.Path) -> dict:
                     entry = json.loads(line)
                     table[entry.pop("key")] = entry
                 except (ValueError, KeyError, AttributeError) as exc:
-                    raise ValueError(f"{path}, line {n}: not an entry of the recorded "
-                                     f"table ({exc}): record it again "
-                                     f"(make inspect-record)") from None
+                    raise ValueError(
+                        f"{path}, line {n}: not an entry of the recorded "
+                        f"table ({exc}): record it again "
+                        f"(make inspect-record)"
+                    ) from None
     _RECORDED_CACHE[path] = table
     return table
 
 
-def write_recorded(rows: list[dict], path: pathlib.Path | None = None,
-                   use_recorded: bool = True) -> int:
+def write_recorded(
+    rows: list[dict], path: pathlib.Path | None = None, use_recorded: bool = True
+) -> int:
     """Record what the compiler reported for every variant of ``rows`` (from the
     inspector's cache, or, with ``use_recorded``, the table already recorded): one
     JSON line per variant, sorted by key, after a header naming Triton's version and
@@ -574,27 +691,37 @@ def write_recorded(rows: list[dict], path: pathlib.Path | None = None,
         key = r["variant"]
         if "error" in r or key in entries:
             continue
-        info = (_cached(CACHE / f"{key}.json", triton.__version__)
-                or (recorded(path).get(key) if use_recorded else None))
+        info = _cached(CACHE / f"{key}.json", triton.__version__) or (
+            recorded(path).get(key) if use_recorded else None
+        )
         if info is None:
             missing.append(key)
             continue
         entries[key] = {k: v for k, v in info.items() if k not in _NOT_RECORDED}
     if missing:
-        raise RuntimeError(f"{len(missing)} variants neither cached nor recorded "
-                           f"(first: {missing[0]}): inspect them first")
-    header = {"triton": triton.__version__, "analysis": analysis_version(),
-              "variants": len(entries),
-              "note": "what Triton's compiler and ptxas reported for every variant "
-                      "of the test suite's table (normbook.lab.inspector.survey), by variant "
-                      "key; written by python -m normbook.lab.inspector --record"}
+        raise RuntimeError(
+            f"{len(missing)} variants neither cached nor recorded "
+            f"(first: {missing[0]}): inspect them first"
+        )
+    header = {
+        "triton": triton.__version__,
+        "analysis": analysis_version(),
+        "variants": len(entries),
+        "note": "what Triton's compiler and ptxas reported for every variant "
+        "of the test suite's table (normbook.lab.inspector.survey), by variant "
+        "key; written by python -m normbook.lab.inspector --record",
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     with open(tmp, "w") as f:
         f.write(json.dumps(header) + "\n")
         for key in sorted(entries):
-            f.write(json.dumps({"key": key, **entries[key]}, sort_keys=True,
-                               separators=(",", ":")) + "\n")
+            f.write(
+                json.dumps(
+                    {"key": key, **entries[key]}, sort_keys=True, separators=(",", ":")
+                )
+                + "\n"
+            )
     tmp.replace(path)
     _RECORDED_CACHE.pop(path, None)
     return len(entries)
@@ -625,9 +752,11 @@ def _compile(fn, signature, constexprs, attrs, options, target, path) -> dict:
     t0 = time.perf_counter()
     _PTXAS_LOGS.clear()
     try:
-        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs),
-                                  target=target,
-                                  options=options.__dict__)
+        compiled = triton.compile(
+            ASTSource(fn, signature, constexprs, attrs),
+            target=target,
+            options=options.__dict__,
+        )
     # a variant that does not compile is a result, reported per row
     except Exception as exc:
         last = " | ".join(str(exc).strip().splitlines()[-4:])
@@ -636,16 +765,22 @@ def _compile(fn, signature, constexprs, attrs, options, target, path) -> dict:
     names = [p.name for p in fn.params]
     # PTX parameters are the kernel's non-constexpr arguments, in order.
     runtime = [n for n in names if signature[n] != "constexpr"]
-    pointers = {i: n for i, n in enumerate(runtime)
-                if str(signature[n]).startswith("*")}
-    info = {"ptx_sha": _ptx_sha(ptx),
-            "num_warps": compiled.metadata.num_warps,
-            "shared": compiled.metadata.shared,
-            **(parse_ptxas_log(_PTXAS_LOGS[-1]) if _PTXAS_LOGS
-               else _ptxas(ptx, target.arch, options.enable_fp_fusion)),
-            **analyze_ptx(ptx, pointers),
-            "compile_s": round(time.perf_counter() - t0, 3),
-            "triton": triton.__version__}
+    pointers = {
+        i: n for i, n in enumerate(runtime) if str(signature[n]).startswith("*")
+    }
+    info = {
+        "ptx_sha": _ptx_sha(ptx),
+        "num_warps": compiled.metadata.num_warps,
+        "shared": compiled.metadata.shared,
+        **(
+            parse_ptxas_log(_PTXAS_LOGS[-1])
+            if _PTXAS_LOGS
+            else _ptxas(ptx, target.arch, options.enable_fp_fusion)
+        ),
+        **analyze_ptx(ptx, pointers),
+        "compile_s": round(time.perf_counter() - t0, 3),
+        "triton": triton.__version__,
+    }
     info["ptx"] = ptx
     CACHE.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -662,8 +797,12 @@ def _calls(label: str, M: int, N: int, dtype: str, which: set[str] | None):
     import normbook
     from normbook.lab.bench import cases
 
-    dt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
-          "fp64": torch.float64}[dtype]
+    dt = {
+        "fp32": torch.float32,
+        "fp16": torch.float16,
+        "bf16": torch.bfloat16,
+        "fp64": torch.float64,
+    }[dtype]
 
     def empty(*shape, grad=False):
         # Uninitialized and never touched: nothing runs, so a 2**26-element input costs
@@ -678,6 +817,7 @@ def _calls(label: str, M: int, N: int, dtype: str, which: set[str] | None):
         differentiable here, the call with ``grad_args`` requiring grad followed by its
         backward (a generator: the forward's launches, ``yield``, the backward's
         launches)."""
+
         def forward():
             fn(*make_inputs(()))
 
@@ -688,28 +828,38 @@ def _calls(label: str, M: int, N: int, dtype: str, which: set[str] | None):
                 if "grad" not in str(exc):
                     raise
                 return  # refuses inputs that require grad: no backward to inspect
-            outs = [o for o in (outs if isinstance(outs, tuple)
-                                else (outs,)) if o.grad_fn is not None]
+            outs = [
+                o
+                for o in (outs if isinstance(outs, tuple) else (outs,))
+                if o.grad_fn is not None
+            ]
             yield
             if outs:
                 # dy: an input of the backward
                 grads = [torch.empty_like(o) for o in outs]
                 _INPUTS.update(g.data_ptr() for g in grads)
                 torch.autograd.backward(outs, grads)
+
         return forward, backward
 
     def rows_and(vectors):
-        return lambda g: ([empty(M, N, grad=0 in g)]
-                          + [empty(N, grad=i + 1 in g) for i in range(vectors)])
+        return lambda g: (
+            [empty(M, N, grad=0 in g)]
+            + [empty(N, grad=i + 1 in g) for i in range(vectors)]
+        )
 
     def qk_inputs(g):
         hq = max(1, N // cases.HEAD_DIM)
         hk = max(1, hq // cases.GQA_GROUP)
         d = cases.HEAD_DIM
-        return [empty(1, M, hq, d, grad=0 in g), empty(1, M, hk, d,
-                                                       grad=1 in g), empty(d,
-                                                                           grad=2 in g),
-                empty(d, grad=3 in g), empty(1, M, d), empty(1, M, d)]
+        return [
+            empty(1, M, hq, d, grad=0 in g),
+            empty(1, M, hk, d, grad=1 in g),
+            empty(d, grad=2 in g),
+            empty(d, grad=3 in g),
+            empty(1, M, d),
+            empty(1, M, d),
+        ]
 
     def attention_inputs(g):
         # one sequence of M tokens; N // HEAD_DIM query heads, grouped as in the
@@ -717,34 +867,57 @@ def _calls(label: str, M: int, N: int, dtype: str, which: set[str] | None):
         hq = max(1, N // cases.HEAD_DIM)
         hk = max(1, hq // cases.GQA_GROUP)
         d = cases.HEAD_DIM
-        return [empty(1, hq, M, d, grad=0 in g), empty(1, hk, M, d, grad=1 in g),
-                empty(1, hk, M, d, grad=2 in g)]
+        return [
+            empty(1, hq, M, d, grad=0 in g),
+            empty(1, hk, M, d, grad=1 in g),
+            empty(1, hk, M, d, grad=2 in g),
+        ]
 
     out = {
         "rms_norm": pair(normbook.rms_norm, rows_and(1), (0, 1)),
         "layer_norm": pair(normbook.layer_norm, rows_and(2), (0, 1, 2)),
-        "fused_add_rms_norm": pair(normbook.fused_add_rms_norm,
-                                   lambda g: [empty(M, N,
-                                                    grad=0 in g), empty(M, N,
-                                                                        grad=1 in g),
-                                              empty(N, grad=2 in g)], (0, 1, 2)),
+        "fused_add_rms_norm": pair(
+            normbook.fused_add_rms_norm,
+            lambda g: [
+                empty(M, N, grad=0 in g),
+                empty(M, N, grad=1 in g),
+                empty(N, grad=2 in g),
+            ],
+            (0, 1, 2),
+        ),
         "qk_norm_rope": pair(normbook.qk_norm_rope, qk_inputs, (0, 1, 2, 3)),
         "softmax": pair(normbook.softmax, rows_and(0), (0,)),
-        "cross_entropy": pair(normbook.cross_entropy,
-                              lambda g: [empty(M, N, grad=0 in g),
-                                         torch.zeros(M, dtype=torch.int64)],
-                              (0,)),
-        "attention": pair(lambda q, k, v: normbook.attention(q, k, v, causal=True),
-                          attention_inputs, (0, 1, 2)),
-        "sample": (lambda: normbook.sample(torch.zeros(M, N, dtype=dt), temperature=0.8,
-                                          top_k=50, top_p=0.9, generator=0), None),
+        "cross_entropy": pair(
+            normbook.cross_entropy,
+            lambda g: [empty(M, N, grad=0 in g), torch.zeros(M, dtype=torch.int64)],
+            (0,),
+        ),
+        "attention": pair(
+            lambda q, k, v: normbook.attention(q, k, v, causal=True),
+            attention_inputs,
+            (0, 1, 2),
+        ),
+        "sample": (
+            lambda: normbook.sample(
+                torch.zeros(M, N, dtype=dt),
+                temperature=0.8,
+                top_k=50,
+                top_p=0.9,
+                generator=0,
+            ),
+            None,
+        ),
         # swiglu: gate and up of the MLP, (M, N) each (N: the intermediate size's
         # stand-in). linear_cross_entropy launches cross_entropy's two kernels
         # (inspected above) between cuBLAS products, which the inspector cannot lower:
         # not listed.
-        "swiglu": pair(normbook.swiglu, lambda g: [empty(M, N, grad=0 in g),
-                                                  empty(M, N, grad=1 in g)], (0, 1)),
+        "swiglu": pair(
+            normbook.swiglu,
+            lambda g: [empty(M, N, grad=0 in g), empty(M, N, grad=1 in g)],
+            (0, 1),
+        ),
     }
+
     # decode_attention (issue 19): M requests (at most 64: the cache is what is read,
     # and a bench-sized batch of 4096-token caches would not even fit in memory) of
     # DECODE_CACHE cached tokens, N // HEAD_DIM query heads grouped as above; contiguous
@@ -752,29 +925,54 @@ def _calls(label: str, M: int, N: int, dtype: str, which: set[str] | None):
     def decode_inputs(paged):
         hq = max(1, N // cases.HEAD_DIM)
         hk = max(1, hq // cases.GQA_GROUP)
-        d, b, s, page = cases.HEAD_DIM, min(M,
-                                            64), cases.DECODE_CACHE, cases.DECODE_PAGE
+        d, b, s, page = (
+            cases.HEAD_DIM,
+            min(M, 64),
+            cases.DECODE_CACHE,
+            cases.DECODE_PAGE,
+        )
         lens = torch.full((b,), s, dtype=torch.int32)
         if not paged:
-            return [empty(b, hq, 1, d), empty(b, hk, s, d), empty(b, hk, s,
-                                                                  d), lens, None]
+            return [
+                empty(b, hq, 1, d),
+                empty(b, hk, s, d),
+                empty(b, hk, s, d),
+                lens,
+                None,
+            ]
         table = torch.arange(b * (s // page), dtype=torch.int32).view(b, s // page)
-        return [empty(b, hq, 1, d), empty(b * (s // page), hk, page, d),
-                empty(b * (s // page), hk, page, d), lens, table]
+        return [
+            empty(b, hq, 1, d),
+            empty(b * (s // page), hk, page, d),
+            empty(b * (s // page), hk, page, d),
+            lens,
+            table,
+        ]
 
     for name, paged in (("decode_attention", False), ("decode_attention.paged", True)):
         if label == "bench":
             break  # decode shapes (and the odd ones) only
-        out[name] = (lambda p=paged: (lambda q, k, v, n, t: normbook.decode_attention(
-            q, k, v, n, block_table=t))(*decode_inputs(p)), None)
+        out[name] = (
+            lambda p=paged: (
+                lambda q, k, v, n, t: normbook.decode_attention(
+                    q, k, v, n, block_table=t
+                )
+            )(*decode_inputs(p)),
+            None,
+        )
     for method in ("two_pass", "one_pass", "welford"):
         out[f"row_variance.{method}"] = (
-            lambda m=method: normbook.row_variance(empty(M, N), method=m), None)
+            lambda m=method: normbook.row_variance(empty(M, N), method=m),
+            None,
+        )
         # the variance chapter's experiment: statistics accumulated in bf16
         if dtype == "fp32":
             out[f"row_variance.{method}.bf16acc"] = (
-                lambda m=method: normbook.row_variance(empty(M, N), method=m,
-                                                      acc_dtype=torch.bfloat16), None)
+                lambda m=method: normbook.row_variance(
+                    empty(M, N), method=m, acc_dtype=torch.bfloat16
+                ),
+                None,
+            )
     if dtype == "fp64":
         # fp32/fp16/bf16 only: it refuses fp64 (no gradient checks to serve)
         out.pop("attention")
@@ -783,13 +981,31 @@ def _calls(label: str, M: int, N: int, dtype: str, which: set[str] | None):
     return [(k, v) for k, v in out.items() if which is None or k in which]
 
 
-def _row(launch: dict, info: dict, gpu: GPU, arch: int, label: str, M: int, N: int,
-         dtype: str,
-         call: str, latency_ns: float) -> dict:
-    row = {"arch": arch, "call": call, "phase": launch["phase"],
-           "kernel": launch["kernel"], "shape": label,
-           "M": M, "N": N, "dtype": dtype, "grid": int(math.prod(launch["grid"])),
-           "constexprs": launch["constexprs"], "variant": launch["key"]}
+def _row(
+    launch: dict,
+    info: dict,
+    gpu: GPU,
+    arch: int,
+    label: str,
+    M: int,
+    N: int,
+    dtype: str,
+    call: str,
+    latency_ns: float,
+) -> dict:
+    row = {
+        "arch": arch,
+        "call": call,
+        "phase": launch["phase"],
+        "kernel": launch["kernel"],
+        "shape": label,
+        "M": M,
+        "N": N,
+        "dtype": dtype,
+        "grid": int(math.prod(launch["grid"])),
+        "constexprs": launch["constexprs"],
+        "variant": launch["key"],
+    }
     if "error" in info:
         row["error"] = info["error"]
         return row
@@ -819,22 +1035,31 @@ def _row(launch: dict, info: dict, gpu: GPU, arch: int, label: str, M: int, N: i
     # The last wave's idle SMs (tail effect); under one wave ``resident`` already counts
     # them.
     wave_eff = waves / math.ceil(waves) if waves > 1 else 1.0
-    row.update({
-        "num_warps": warps, "registers": info["registers"],
-        "spill_stores": info["spill_stores"],
-        "spill_loads": info["spill_loads"], "smem": smem,
-        "loads": {k: sorted(v) for k, v in sorted(loads.items())},
-        "stores": {k: sorted(v) for k, v in sorted(stores.items())},
-        # The row-sized inputs of the public call (x, dy, a residual, q, k, cos, sin),
-        # as passed: the tensors whose load width the tests check (not the kernels' own
-        # buffers).
-        "row_args": sorted(k for k in rows_like if tensors[k].get("input")),
-        "math": info["math"],
-        "ctas_per_sm": ctas, "occupancy_limit": limiter, "waves": round(waves, 3),
-        "in_flight_per_sm": round(in_flight), "littles_per_sm": round(need),
-        "predicted": round(min(1.0, in_flight / need) * wave_eff, 3) if need else None,
-        "ptx_sha": info["ptx_sha"],
-    })
+    row.update(
+        {
+            "num_warps": warps,
+            "registers": info["registers"],
+            "spill_stores": info["spill_stores"],
+            "spill_loads": info["spill_loads"],
+            "smem": smem,
+            "loads": {k: sorted(v) for k, v in sorted(loads.items())},
+            "stores": {k: sorted(v) for k, v in sorted(stores.items())},
+            # The row-sized inputs of the public call (x, dy, a residual, q, k, cos, sin),
+            # as passed: the tensors whose load width the tests check (not the kernels' own
+            # buffers).
+            "row_args": sorted(k for k in rows_like if tensors[k].get("input")),
+            "math": info["math"],
+            "ctas_per_sm": ctas,
+            "occupancy_limit": limiter,
+            "waves": round(waves, 3),
+            "in_flight_per_sm": round(in_flight),
+            "littles_per_sm": round(need),
+            "predicted": round(min(1.0, in_flight / need) * wave_eff, 3)
+            if need
+            else None,
+            "ptx_sha": info["ptx_sha"],
+        }
+    )
     return row
 
 
@@ -891,21 +1116,27 @@ def _child(argv: list[str]) -> int:
     import normbook
     import normbook._validate
 
-    assert not normbook.INTERPRET, \
+    assert not normbook.INTERPRET, (
         "the kernels must be defined for the GPU compiler, not interpreted"
+    )
     # The tensors stay on the CPU (nothing runs): let the argument checks accept them.
     normbook._validate.DEVICE = torch.device("cpu")
     _keep_ptxas_logs()
     capture = _Capture()
-    JITFunction.run = (lambda self, *args, grid, warmup=False, **kw:
-                       capture.run(self, args, kw, grid))
+    JITFunction.run = lambda self, *args, grid, warmup=False, **kw: capture.run(
+        self, args, kw, grid
+    )
     binders = {}  # per architecture: the JIT's binders depend on the back end
     for index, arch, dtype, calls, unit_shapes in units:
         # Every child is given every unit and takes the next one nobody has claimed: the
         # children share the work however long each unit takes.
         try:
-            os.close(os.open(pathlib.Path(a.out_dir) / f"unit{index}.claim",
-                             os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            os.close(
+                os.open(
+                    pathlib.Path(a.out_dir) / f"unit{index}.claim",
+                    os.O_CREAT | os.O_EXCL | os.O_WRONLY,
+                )
+            )
         except FileExistsError:
             continue
         if arch not in binders:
@@ -914,18 +1145,31 @@ def _child(argv: list[str]) -> int:
         _fake_cuda(arch)
         capture.target = GPUTarget("cuda", arch, 32)
         capture.binders = binders.setdefault(arch, {})
-        rows = _unit_rows(capture, GPUS[arch], arch, dtype, calls, unit_shapes,
-                          a.phases.split(","), a.latency_ns, a.ptx, torch)
-        meta = {"triton": triton.__version__, "torch": torch.__version__,
-                "latency_ns": a.latency_ns,
-                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                    timespec="seconds"),
-                "note": "compiled on a CPU for the target GPU; every column but "
-                        "'predicted' is the compiler's output, 'predicted' is a model, "
-                        "not a measurement",
-                "gpus": {str(arch): asdict(GPUS[arch])},
-                "littles_per_sm": {str(arch): littles_law_bytes(GPUS[arch],
-                                                                a.latency_ns)}}
+        rows = _unit_rows(
+            capture,
+            GPUS[arch],
+            arch,
+            dtype,
+            calls,
+            unit_shapes,
+            a.phases.split(","),
+            a.latency_ns,
+            a.ptx,
+            torch,
+        )
+        meta = {
+            "triton": triton.__version__,
+            "torch": torch.__version__,
+            "latency_ns": a.latency_ns,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                timespec="seconds"
+            ),
+            "note": "compiled on a CPU for the target GPU; every column but "
+            "'predicted' is the compiler's output, 'predicted' is a model, "
+            "not a measurement",
+            "gpus": {str(arch): asdict(GPUS[arch])},
+            "littles_per_sm": {str(arch): littles_law_bytes(GPUS[arch], a.latency_ns)},
+        }
         out = pathlib.Path(a.out_dir) / f"unit{index}.json"
         tmp = out.with_suffix(".tmp")
         tmp.write_text(json.dumps({"meta": meta, "rows": rows}))
@@ -933,14 +1177,17 @@ def _child(argv: list[str]) -> int:
     return 0
 
 
-def _unit_rows(capture, gpu, arch, dtype, calls, unit_shapes, phases, latency_ns, ptx,
-               torch) -> list[dict]:
+def _unit_rows(
+    capture, gpu, arch, dtype, calls, unit_shapes, phases, latency_ns, ptx, torch
+) -> list[dict]:
     """One unit's rows: every launch of ``calls`` (all when empty) at each shape."""
     if unit_shapes in ("all", "bench", "decode"):
         shapes = [s for s in bench_shapes() if unit_shapes in ("all", s[0])]
     else:
-        shapes = [(s.split(":")[0], int(s.split(":")[1]),
-                   int(s.split(":")[2])) for s in unit_shapes.split(",")]
+        shapes = [
+            (s.split(":")[0], int(s.split(":")[1]), int(s.split(":")[2]))
+            for s in unit_shapes.split(",")
+        ]
     which = set(calls.split(",")) if calls else None
     rows = []
     for label, M, N in shapes:
@@ -958,7 +1205,8 @@ def _unit_rows(capture, gpu, arch, dtype, calls, unit_shapes, phases, latency_ns
                     # (it stops at once when the function refuses inputs requiring
                     # grad).
                     started = phase == "backward" and (
-                        next(gen, StopIteration) is not StopIteration)
+                        next(gen, StopIteration) is not StopIteration
+                    )
                     if started:
                         capture.phase = "backward"
                         next(gen, None)
@@ -967,10 +1215,12 @@ def _unit_rows(capture, gpu, arch, dtype, calls, unit_shapes, phases, latency_ns
                     if ident in seen:  # the forward of a backward case: already listed
                         continue
                     seen.add(ident)
-                    info = _compile_and_read(*launch["_compile"], capture.target,
-                                             launch["key"], need_ptx=ptx)
-                    row = _row(launch, info, gpu, arch, label, M, N, dtype, call,
-                               latency_ns)
+                    info = _compile_and_read(
+                        *launch["_compile"], capture.target, launch["key"], need_ptx=ptx
+                    )
+                    row = _row(
+                        launch, info, gpu, arch, label, M, N, dtype, call, latency_ns
+                    )
                     if ptx and "ptx" in info:
                         row["ptx"] = info["ptx"]
                     rows.append(row)
@@ -979,6 +1229,7 @@ def _unit_rows(capture, gpu, arch, dtype, calls, unit_shapes, phases, latency_ns
 
 # ---------------------------------------------------------------- the parent's API
 
+
 def _child_env() -> dict:
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
@@ -986,11 +1237,22 @@ def _child_env() -> dict:
     return env
 
 
-def run_inspector(archs=(90,), dtypes=DTYPES, shapes="all", calls=None,
-                  latency_ns=LATENCY_NS,
-                  ptx=False, timeout=4 * 3600, jobs=None, call_shapes=None, gpu_args=(),
-                  partial=False, phases=("forward", "backward"), units=None,
-                  env=None) -> dict:
+def run_inspector(
+    archs=(90,),
+    dtypes=DTYPES,
+    shapes="all",
+    calls=None,
+    latency_ns=LATENCY_NS,
+    ptx=False,
+    timeout=4 * 3600,
+    jobs=None,
+    call_shapes=None,
+    gpu_args=(),
+    partial=False,
+    phases=("forward", "backward"),
+    units=None,
+    env=None,
+) -> dict:
     """Run the inspector in child processes; returns ``{"meta": ..., "rows": [...]}``.
 
     ``shapes``: "all", "bench", "decode", or a list of (label, M, N). ``calls``: names
@@ -1004,9 +1266,13 @@ def run_inspector(archs=(90,), dtypes=DTYPES, shapes="all", calls=None,
     finished (``meta.units_not_finished``) instead of raising. ``units``: instead of
     archs × dtypes × calls × shapes, the units themselves, [(arch, dtype, call,
     shapes), ...]. ``env``: set in the children's environment."""
+
     def spec(sh):
-        return sh if isinstance(sh, str) else ",".join(f"{lab}:{m}:{n}" for lab, m,
-                                                       n in sh)
+        return (
+            sh
+            if isinstance(sh, str)
+            else ",".join(f"{lab}:{m}:{n}" for lab, m, n in sh)
+        )
 
     archs = [archs] if isinstance(archs, int) else list(archs)
     if units is not None:  # they name their own archs, dtypes, calls and shapes
@@ -1016,51 +1282,77 @@ def run_inspector(archs=(90,), dtypes=DTYPES, shapes="all", calls=None,
         raise ValueError(f"archs: {unknown} unknown; choose from {sorted(GPUS)}")
     phases = [phases] if isinstance(phases, str) else list(phases)
     if not phases or not set(phases) <= {"forward", "backward"}:
-        raise ValueError(f"phases must be 'forward', 'backward' or both, "
-                         f"not {phases!r}")
+        raise ValueError(
+            f"phases must be 'forward', 'backward' or both, not {phases!r}"
+        )
     if call_shapes:
         work = [([call], spec(sh)) for call, sh in call_shapes.items()]
     else:
         work = [(calls or [], spec(shapes))]
-    boot = ("import importlib.util, sys; "
-            f"s = importlib.util.spec_from_file_location('_kernels_inspect_child', "
-            f"{str(__file__)!r}); "
-            "m = importlib.util.module_from_spec(s); sys.modules[s.name] = m; "
-            "s.loader.exec_module(m); "
-            "sys.exit(m._child(sys.argv[1:]))")
+    boot = (
+        "import importlib.util, sys; "
+        f"s = importlib.util.spec_from_file_location('_kernels_inspect_child', "
+        f"{str(__file__)!r}); "
+        "m = importlib.util.module_from_spec(s); sys.modules[s.name] = m; "
+        "s.loader.exec_module(m); "
+        "sys.exit(m._child(sys.argv[1:]))"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         # Units of (architecture, dtype, calls, shapes), shared by as many children as
         # there are cores (compiling is the cost): each child imports torch and kernels
         # once (seconds) and then takes units until none is left.
-        todo = ([(arch, dt, [c], spec(sh)) for arch, dt, c, sh in units]
-                if units is not None else
-                [(arch, dt, c, sh) for arch in archs for dt in dtypes
-                 for c, sh in work])
-        units = [(i, arch, dt, ",".join(c), sh) for i, (arch, dt, c, sh)
-                 in enumerate(todo)]  # numbered: the children's listing
+        todo = (
+            [(arch, dt, [c], spec(sh)) for arch, dt, c, sh in units]
+            if units is not None
+            else [
+                (arch, dt, c, sh) for arch in archs for dt in dtypes for c, sh in work
+            ]
+        )
+        units = [
+            (i, arch, dt, ",".join(c), sh) for i, (arch, dt, c, sh) in enumerate(todo)
+        ]  # numbered: the children's listing
         if not units:  # no architecture or no dtype asked for: nothing to compile
             return {"meta": {}, "rows": []}
         jobs = max(1, min(len(units), jobs or os.cpu_count() or 1))
         listing = pathlib.Path(tmp) / "units.json"
         listing.write_text(json.dumps(units))
-        cmd = [sys.executable, "-c", boot, "--units", str(listing), "--out-dir", tmp,
-               "--phases", ",".join(phases), "--latency-ns", str(latency_ns),
-               *gpu_args] + (["--ptx"] if ptx else [])
+        cmd = [
+            sys.executable,
+            "-c",
+            boot,
+            "--units",
+            str(listing),
+            "--out-dir",
+            tmp,
+            "--phases",
+            ",".join(phases),
+            "--latency-ns",
+            str(latency_ns),
+            *gpu_args,
+        ] + (["--ptx"] if ptx else [])
         children = []
         try:
             for j in range(jobs):
                 with open(pathlib.Path(tmp) / f"child{j}.log", "w") as log:
-                    children.append(subprocess.Popen(
-                        cmd, stdout=subprocess.DEVNULL, stderr=log,
-                        env={**_child_env(), **(env or {})}, cwd=ROOT))
+                    children.append(
+                        subprocess.Popen(
+                            cmd,
+                            stdout=subprocess.DEVNULL,
+                            stderr=log,
+                            env={**_child_env(), **(env or {})},
+                            cwd=ROOT,
+                        )
+                    )
             deadline = time.monotonic() + max(1.0, timeout)
             while True:  # every child watched at once: the first to fail stops the run
                 codes = [proc.poll() for proc in children]
                 for j, code in enumerate(codes):
                     if code not in (None, 0):
                         err = (pathlib.Path(tmp) / f"child{j}.log").read_text()
-                        raise RuntimeError(f"normbook.lab.inspector child failed ({code}):\n"
-                                           f"{err[-4000:]}")
+                        raise RuntimeError(
+                            f"normbook.lab.inspector child failed ({code}):\n"
+                            f"{err[-4000:]}"
+                        )
                 if all(code == 0 for code in codes):
                     break
                 if time.monotonic() > deadline:
@@ -1075,8 +1367,10 @@ def run_inspector(archs=(90,), dtypes=DTYPES, shapes="all", calls=None,
                     proc.wait()
         parts = [pathlib.Path(tmp) / f"unit{i}.json" for i, *_ in units]
         dropped = sum(not part.exists() for part in parts)
-        result = {"meta": {"units_not_finished": dropped} if dropped else {},
-                  "rows": []}
+        result = {
+            "meta": {"units_not_finished": dropped} if dropped else {},
+            "rows": [],
+        }
         for part in parts:  # in the units' order, whichever child did each
             if not part.exists():
                 continue
@@ -1099,10 +1393,12 @@ def survey(**kwargs) -> list[dict]:
     """Every variant the test suite checks (tests/test_inspect.py): every call at the
     benchmark's, decode and odd shapes, for sm_90, sm_80 and sm_75, in fp32, fp16 and
     bf16, and in fp64 (which the gradient checks launch) at the odd shapes."""
-    rows = run_inspector(archs=ARCHS, dtypes=DTYPES, shapes=bench_shapes() + ODD_SHAPES,
-                         **kwargs)["rows"]
-    rows += run_inspector(archs=ARCHS, dtypes=("fp64",), shapes=ODD_SHAPES,
-                          **kwargs)["rows"]
+    rows = run_inspector(
+        archs=ARCHS, dtypes=DTYPES, shapes=bench_shapes() + ODD_SHAPES, **kwargs
+    )["rows"]
+    rows += run_inspector(archs=ARCHS, dtypes=("fp64",), shapes=ODD_SHAPES, **kwargs)[
+        "rows"
+    ]
     return rows
 
 
@@ -1113,12 +1409,16 @@ def _unit_of(row: dict) -> tuple:
 def _from_nothing(folder: pathlib.Path) -> dict:
     """The children's environment for compiling from nothing: the inspector's cache and
     Triton's both new folders under ``folder``, and no recorded table."""
-    return {"NORMBOOK_INSPECT_CACHE": str(folder / "inspect"),
-            "TRITON_CACHE_DIR": str(folder / "triton"), "NORMBOOK_INSPECT_RECORDED": ""}
+    return {
+        "NORMBOOK_INSPECT_CACHE": str(folder / "inspect"),
+        "TRITON_CACHE_DIR": str(folder / "triton"),
+        "NORMBOOK_INSPECT_RECORDED": "",
+    }
 
 
-def verify_recorded(rows: list[dict], seed: int, jobs=None,
-                    phases=("forward", "backward")) -> dict:
+def verify_recorded(
+    rows: list[dict], seed: int, jobs=None, phases=("forward", "backward")
+) -> dict:
     """Compile again, from nothing, one unit (arch, dtype, call, shape) of ``rows`` per
     call, chosen at random by ``seed``: with the inspector's cache and Triton's both
     empty and no recorded table, in child processes. Returns the units, how many rows
@@ -1136,7 +1436,10 @@ def verify_recorded(rows: list[dict], seed: int, jobs=None,
     with tempfile.TemporaryDirectory() as tmp:
         fresh = run_inspector(
             units=[(a, d, c, [(lab, m, n)]) for a, d, c, lab, m, n in picks],
-            env=_from_nothing(pathlib.Path(tmp)), jobs=jobs, phases=phases)["rows"]
+            env=_from_nothing(pathlib.Path(tmp)),
+            jobs=jobs,
+            phases=phases,
+        )["rows"]
     mismatches = []
     for unit in picks:
         want = [r for r in rows if _unit_of(r) == unit]
@@ -1147,10 +1450,15 @@ def verify_recorded(rows: list[dict], seed: int, jobs=None,
         for w, g in zip(want, got):
             for field in sorted(set(w) | set(g)):
                 if w.get(field) != g.get(field):
-                    mismatches.append((unit, f"{w['kernel']}.{field}", w.get(field),
-                                       g.get(field)))
-    return {"seed": seed, "units": picks, "compiled": len(fresh),
-            "mismatches": mismatches}
+                    mismatches.append(
+                        (unit, f"{w['kernel']}.{field}", w.get(field), g.get(field))
+                    )
+    return {
+        "seed": seed,
+        "units": picks,
+        "compiled": len(fresh),
+        "mismatches": mismatches,
+    }
 
 
 def inspect_variants(arch: int = 90, **kwargs) -> list[dict]:
@@ -1160,28 +1468,37 @@ def inspect_variants(arch: int = 90, **kwargs) -> list[dict]:
 
 
 def _widths(d: dict, rows_like: list) -> str:
-    return " ".join(f"{k}:{'/'.join(map(str, v))}" for k, v in d.items()
-                    if k in rows_like) or "-"
+    return (
+        " ".join(f"{k}:{'/'.join(map(str, v))}" for k, v in d.items() if k in rows_like)
+        or "-"
+    )
 
 
 def _math(m: dict) -> str:
-    keep = {k: v for k, v in m.items()
-            if k.startswith(("sqrt", "rsqrt", "div.full", "div.rn", "rcp"))}
+    keep = {
+        k: v
+        for k, v in m.items()
+        if k.startswith(("sqrt", "rsqrt", "div.full", "div.rn", "rcp"))
+    }
     return " ".join(f"{k}" for k in sorted(keep)) or "-"
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'call':<22}{'phase':<9}{'kernel':<24}{'dtype':<5}{'shape':<7}"
-            f"{'M':>8}{'N':>8} "
-            f"{'warps':>5}{'regs':>5}{'spill':>6}{'smem':>7}{'CTA/SM':>7} "
-            f"{'limit':<10}{'grid':>7}"
-            f"{'waves':>7}{'inflight':>9}{'need':>7}{'pred':>6}  loads(bits)  math")
+    head = (
+        f"{'call':<22}{'phase':<9}{'kernel':<24}{'dtype':<5}{'shape':<7}"
+        f"{'M':>8}{'N':>8} "
+        f"{'warps':>5}{'regs':>5}{'spill':>6}{'smem':>7}{'CTA/SM':>7} "
+        f"{'limit':<10}{'grid':>7}"
+        f"{'waves':>7}{'inflight':>9}{'need':>7}{'pred':>6}  loads(bits)  math"
+    )
     out = [head, "-" * len(head)]
     for r in rows:
         if "error" in r:
-            out.append(f"{r['call']:<22}{r['phase']:<9}{r['kernel']:<24}{r['dtype']:<5}"
-                       f"{r['shape']:<7}{r['M']:>8}{r['N']:>8}  "
-                       f"COMPILE ERROR: {r['error']}")
+            out.append(
+                f"{r['call']:<22}{r['phase']:<9}{r['kernel']:<24}{r['dtype']:<5}"
+                f"{r['shape']:<7}{r['M']:>8}{r['N']:>8}  "
+                f"COMPILE ERROR: {r['error']}"
+            )
             continue
         out.append(
             f"{r['call']:<22}{r['phase']:<9}{r['kernel']:<24}{r['dtype']:<5}"
@@ -1192,17 +1509,22 @@ def format_table(rows: list[dict]) -> str:
             f"{r['occupancy_limit']:<10}{r['grid']:>7}{r['waves']:>7.2f}"
             f"{r['in_flight_per_sm'] / 1024:>8.1f}K"
             f"{r['littles_per_sm'] / 1024:>6.1f}K{r['predicted']:>6.2f}  "
-            f"{_widths(r['loads'], r['row_args'])}  {_math(r['math'])}")
+            f"{_widths(r['loads'], r['row_args'])}  {_math(r['math'])}"
+        )
     return "\n".join(out)
 
 
 COLUMNS = {  # column title: how to read it from a row (for markdown_table)
-    "kernel": lambda r: r["kernel"], "phase": lambda r: r["phase"],
-    "M": lambda r: r["M"], "N": lambda r: r["N"],
-    "warps": lambda r: r["num_warps"], "regs": lambda r: r["registers"],
+    "kernel": lambda r: r["kernel"],
+    "phase": lambda r: r["phase"],
+    "M": lambda r: r["M"],
+    "N": lambda r: r["N"],
+    "warps": lambda r: r["num_warps"],
+    "regs": lambda r: r["registers"],
     "spill B": lambda r: r["spill_stores"] + r["spill_loads"],
     "CTA/SM": lambda r: r["ctas_per_sm"],
-    "limit": lambda r: r["occupancy_limit"], "grid": lambda r: r["grid"],
+    "limit": lambda r: r["occupancy_limit"],
+    "grid": lambda r: r["grid"],
     "waves": lambda r: f"{r['waves']:.2f}",
     "in flight KiB": lambda r: f"{r['in_flight_per_sm'] / 1024:.1f}",
     "needed KiB": lambda r: f"{r['littles_per_sm'] / 1024:.1f}",
@@ -1219,13 +1541,20 @@ def markdown_table(rows: list[dict], columns=tuple(COLUMNS)) -> str:
         if "error" in r:
             out.append(f"| {r['kernel']} | compile error: {r['error']} |")
             continue
-        out.append("| " + " | ".join(str(COLUMNS[c](r)).replace("|", "/")
-                                     for c in columns) + " |")
+        out.append(
+            "| "
+            + " | ".join(str(COLUMNS[c](r)).replace("|", "/") for c in columns)
+            + " |"
+        )
     return "\n".join(out)
 
 
-_SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32",
-                "float64": "fp64"}
+_SHORT_DTYPE = {
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "float32": "fp32",
+    "float64": "fp64",
+}
 
 
 def measured_vs_predicted(bench: dict, inspected: dict) -> dict:
@@ -1361,38 +1690,63 @@ def ptx_excerpt(ptx: str, max_lines: int = 14) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m normbook.lab.inspector",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("--arch", default="90",
-                   help="90 (H100/H200), 80 (A100), 75 (T4); comma-separated for "
-                   "several")
-    p.add_argument("--json", metavar="FILE",
-                   help="write the table (with provenance) as JSON to FILE")
+    p = argparse.ArgumentParser(
+        prog="python -m normbook.lab.inspector", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument(
+        "--arch",
+        default="90",
+        help="90 (H100/H200), 80 (A100), 75 (T4); comma-separated for several",
+    )
+    p.add_argument(
+        "--json",
+        metavar="FILE",
+        help="write the table (with provenance) as JSON to FILE",
+    )
     p.add_argument("--dtypes", default=",".join(DTYPES))
     p.add_argument("--shapes", default="all", choices=["all", "bench", "decode"])
-    p.add_argument("--calls", default="",
-                   help="comma-separated subset, e.g. rms_norm,layer_norm")
+    p.add_argument(
+        "--calls", default="", help="comma-separated subset, e.g. rms_norm,layer_norm"
+    )
     p.add_argument("--latency-ns", type=float, default=LATENCY_NS)
-    p.add_argument("--jobs", type=int, default=None,
-                   help="child processes at once (default: the CPU count)")
-    p.add_argument("--call-shapes", default="",
-                   help="per call, its own shapes: "
-                   "'rms_norm=plan:1024:131072,plan:1:4096;softmax=...' "
-                        "(instead of --calls × --shapes)")
-    p.add_argument("--bandwidth-gbps", type=float,
-                   help="a measured copy bandwidth in place of the datasheet's")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="child processes at once (default: the CPU count)",
+    )
+    p.add_argument(
+        "--call-shapes",
+        default="",
+        help="per call, its own shapes: "
+        "'rms_norm=plan:1024:131072,plan:1:4096;softmax=...' "
+        "(instead of --calls × --shapes)",
+    )
+    p.add_argument(
+        "--bandwidth-gbps",
+        type=float,
+        help="a measured copy bandwidth in place of the datasheet's",
+    )
     p.add_argument("--sms", type=int, help="the SM count of the GPU measured")
     p.add_argument("--gpu-name", help="the name of the GPU measured")
-    p.add_argument("--timeout-s", type=float,
-                   help="after this many seconds, keep what finished (the GPU day's "
-                   "budget)")
-    p.add_argument("--record", action="store_true",
-                   help="inspect the test suite's whole table (every arch and dtype) "
-                   "and write it to data/inspect/variants.jsonl (what is recorded or "
-                   "cached already is read, the rest is compiled)")
-    p.add_argument("--from-scratch", action="store_true",
-                   help="with --record: read nothing, compile every variant (no "
-                   "table, no cache of the inspector's or Triton's)")
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        help="after this many seconds, keep what finished (the GPU day's budget)",
+    )
+    p.add_argument(
+        "--record",
+        action="store_true",
+        help="inspect the test suite's whole table (every arch and dtype) "
+        "and write it to data/inspect/variants.jsonl (what is recorded or "
+        "cached already is read, the rest is compiled)",
+    )
+    p.add_argument(
+        "--from-scratch",
+        action="store_true",
+        help="with --record: read nothing, compile every variant (no "
+        "table, no cache of the inspector's or Triton's)",
+    )
     a = p.parse_args(argv)
     if a.record:
         global CACHE
@@ -1408,9 +1762,11 @@ def main(argv: list[str] | None = None) -> int:
             rows = survey(jobs=a.jobs, env=env)
             errors = [r for r in rows if "error" in r]
             n = write_recorded(rows, RECORDED, use_recorded=not a.from_scratch)
-        print(f"{n} variants recorded in {RECORDED.relative_to(ROOT)} "
-              f"({len(errors)} failing to compile, not recorded; "
-              f"{time.perf_counter() - t0:.0f} s)")
+        print(
+            f"{n} variants recorded in {RECORDED.relative_to(ROOT)} "
+            f"({len(errors)} failing to compile, not recorded; "
+            f"{time.perf_counter() - t0:.0f} s)"
+        )
         return 1 if errors else 0
     archs = [int(s) for s in a.arch.split(",")]
     for arch in archs:
@@ -1420,41 +1776,56 @@ def main(argv: list[str] | None = None) -> int:
     call_shapes = {}
     for part in filter(None, a.call_shapes.split(";")):
         call, _, spec = part.partition("=")
-        call_shapes[call] = [(s.split(":")[0], int(s.split(":")[1]),
-                              int(s.split(":")[2]))
-                             for s in spec.split(",")]
+        call_shapes[call] = [
+            (s.split(":")[0], int(s.split(":")[1]), int(s.split(":")[2]))
+            for s in spec.split(",")
+        ]
     gpu_args = []
-    for flag, value in (("--bandwidth-gbps", a.bandwidth_gbps), ("--sms", a.sms),
-                        ("--gpu-name", a.gpu_name)):
+    for flag, value in (
+        ("--bandwidth-gbps", a.bandwidth_gbps),
+        ("--sms", a.sms),
+        ("--gpu-name", a.gpu_name),
+    ):
         if value:
             gpu_args += [flag, str(value)]
     for arch in archs:
         GPUS[arch] = measured_gpu(GPUS[arch], a.bandwidth_gbps, a.sms, a.gpu_name)
-    result = run_inspector(archs, a.dtypes.split(","), a.shapes,
-                           [c for c in a.calls.split(",") if c],
-                           a.latency_ns, jobs=a.jobs, call_shapes=call_shapes or None,
-                           gpu_args=gpu_args,
-                           **({"timeout": a.timeout_s, "partial": True} if a.timeout_s
-                              else {}))
+    result = run_inspector(
+        archs,
+        a.dtypes.split(","),
+        a.shapes,
+        [c for c in a.calls.split(",") if c],
+        a.latency_ns,
+        jobs=a.jobs,
+        call_shapes=call_shapes or None,
+        gpu_args=gpu_args,
+        **({"timeout": a.timeout_s, "partial": True} if a.timeout_s else {}),
+    )
     rows = result["rows"]
     meta = result["meta"]
     for arch in archs:
         gpu = GPUS[arch]
-        print(f"sm_{arch}: {gpu.name}, {gpu.bandwidth / 1e12:.3g} TB/s; Little's law "
-              f"at {a.latency_ns:.0f} ns "
-              f"(assumed, see normbook.lab.inspector.LATENCY_NS): "
-              f"{littles_law_bytes(gpu, a.latency_ns) / 1024:.1f} KiB "
-              f"in flight per SM. triton {meta.get('triton')}, torch "
-              f"{meta.get('torch')}.")
-        print("'inflight': bytes of row loads a SM has in flight (model); 'pred': "
-              "predicted fraction of "
-              "bandwidth (a model, not a measurement)")
+        print(
+            f"sm_{arch}: {gpu.name}, {gpu.bandwidth / 1e12:.3g} TB/s; Little's law "
+            f"at {a.latency_ns:.0f} ns "
+            f"(assumed, see normbook.lab.inspector.LATENCY_NS): "
+            f"{littles_law_bytes(gpu, a.latency_ns) / 1024:.1f} KiB "
+            f"in flight per SM. triton {meta.get('triton')}, torch "
+            f"{meta.get('torch')}."
+        )
+        print(
+            "'inflight': bytes of row loads a SM has in flight (model); 'pred': "
+            "predicted fraction of "
+            "bandwidth (a model, not a measurement)"
+        )
         print(format_table([r for r in rows if r["arch"] == arch]))
     spills = [r for r in rows if r.get("spill_stores", 0) or r.get("spill_loads", 0)]
     errors = [r for r in rows if "error" in r]
-    print(f"{len(rows)} launches, {len({r['variant'] for r in rows})} variants, "
-          f"{len(spills)} spilling, "
-          f"{len(errors)} failing to compile ({time.perf_counter() - t0:.0f} s)")
+    print(
+        f"{len(rows)} launches, {len({r['variant'] for r in rows})} variants, "
+        f"{len(spills)} spilling, "
+        f"{len(errors)} failing to compile ({time.perf_counter() - t0:.0f} s)"
+    )
     if a.json:
         pathlib.Path(a.json).write_text(json.dumps(result, indent=1))
     return 1 if errors else 0

@@ -28,10 +28,13 @@ def setup(seed: int = 0):
     np.random.seed(seed)
     _sharp_figures()
     dtype = default_dtype()
-    where = ("the CPU, in Triton's interpreter" if INTERPRET
-             else f"{device_name()} (CUDA)")
-    print(f"Kernels run on {where}; low-precision dtype: "
-          f"{str(dtype).replace('torch.', '')}")
+    where = (
+        "the CPU, in Triton's interpreter" if INTERPRET else f"{device_name()} (CUDA)"
+    )
+    print(
+        f"Kernels run on {where}; low-precision dtype: "
+        f"{str(dtype).replace('torch.', '')}"
+    )
     return DEVICE, dtype
 
 
@@ -47,14 +50,18 @@ def _sharp_figures() -> None:
     """
     try:
         import matplotlib
-        # noqa: F401  (activates the inline backend first)
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot  # noqa: F401  (activates the inline backend first)
     except ImportError:  # the set-up cell has already said how to install it
         return
-    matplotlib.rcParams.update({"svg.fonttype": "none", "font.size": 12,
-                                "figure.figsize": (6.0, 4.0),
-                                "axes.titlesize": "medium",
-                                "figure.titlesize": "medium"})
+    matplotlib.rcParams.update(
+        {
+            "svg.fonttype": "none",
+            "font.size": 12,
+            "figure.figsize": (6.0, 4.0),
+            "axes.titlesize": "medium",
+            "figure.titlesize": "medium",
+        }
+    )
     try:
         from IPython import get_ipython
 
@@ -84,8 +91,9 @@ def glue(name: str, value, display: bool = True) -> None:
     """
     import numpy as np
 
-    if isinstance(value, np.generic) or (isinstance(value, torch.Tensor)
-                                         and value.numel() == 1):
+    if isinstance(value, np.generic) or (
+        isinstance(value, torch.Tensor) and value.numel() == 1
+    ):
         value = value.item()
     try:
         from myst_nb import glue as _glue
@@ -142,10 +150,20 @@ width:100%;"></div> <script type="text/javascript"> (function () {{
         return {"text/html": html, "text/plain": f"<interactive figure: {title}>"}
 
 
-def interactive_figure(frames, *, slider: str, x_title: str, y_title: str, title: str,
-                       log_x: bool = False, log_y: bool = False,
-                       options: str | None = None,
-                       active: int = 0, height: int = 600, hover: str | None = None):
+def interactive_figure(
+    frames,
+    *,
+    slider: str,
+    x_title: str,
+    y_title: str,
+    title: str,
+    log_x: bool = False,
+    log_y: bool = False,
+    options: str | None = None,
+    active: int = 0,
+    height: int = 600,
+    hover: str | None = None,
+):
     """A figure with a slider over precomputed frames (and, optionally, a menu of
     options).
 
@@ -161,56 +179,117 @@ def interactive_figure(frames, *, slider: str, x_title: str, y_title: str, title
 
     import plotly.graph_objects as go
 
-    labels = [label for label, _ in frames]
     first = frames[active][1]
-    opts = list(dict.fromkeys(t.get("option") for t in first
-                              if t.get("option") is not None))
+    opts = list(
+        dict.fromkeys(t.get("option") for t in first if t.get("option") is not None)
+    )
     fig = go.Figure()
     for t in first:
         visible = t.get("option") in (None, opts[0] if opts else None)
-        fig.add_trace(go.Scatter(
-            x=list(t["x"]), y=list(t["y"]), name=t["name"], mode=t.get("mode", "lines"),
-            text=t.get("text"), visible=visible,
-            hovertemplate=hover if t.get("text") is not None else None,
-            line={"dash": t.get("dash", "solid")}))
+        fig.add_trace(
+            go.Scatter(
+                x=list(t["x"]),
+                y=list(t["y"]),
+                name=t["name"],
+                mode=t.get("mode", "lines"),
+                text=t.get("text"),
+                visible=visible,
+                hovertemplate=hover if t.get("text") is not None else None,
+                line={"dash": t.get("dash", "solid")},
+            )
+        )
 
     def column(key, traces):
         return [list(t[key]) if t.get(key) is not None else None for t in traces]
 
-    steps = [{"label": label, "method": "restyle",
-              "args": [{"x": column("x", traces), "y": column("y", traces),
-                        "text": column("text", traces)}]}
-             for label, traces in frames]
+    steps = [
+        {
+            "label": label,
+            "method": "restyle",
+            "args": [
+                {
+                    "x": column("x", traces),
+                    "y": column("y", traces),
+                    "text": column("text", traces),
+                }
+            ],
+        }
+        for label, traces in frames
+    ]
     # Laid out in pixels so that it reads at 390 px as at 1366 px: the title on the
     # first line, the menu under it, the plot, and under the x axis the slider, then the
     # legend.
     top, bottom = 84, 230
     plot_h = height - top - bottom
     layout = dict(
-        title={"text": "<br>".join(textwrap.wrap(title, 44)), "font": {"size": 14},
-               "x": 0, "xanchor": "left", "pad": {"l": 12},
-               "y": 1 - 10 / height, "yanchor": "top"},
-        template="plotly_white", paper_bgcolor="#ffffff", plot_bgcolor="#ffffff",
-        font={"size": 13, "color": "#222222"}, height=height,
+        title={
+            "text": "<br>".join(textwrap.wrap(title, 44)),
+            "font": {"size": 14},
+            "x": 0,
+            "xanchor": "left",
+            "pad": {"l": 12},
+            "y": 1 - 10 / height,
+            "yanchor": "top",
+        },
+        template="plotly_white",
+        paper_bgcolor="#ffffff",
+        plot_bgcolor="#ffffff",
+        font={"size": 13, "color": "#222222"},
+        height=height,
         margin={"l": 64, "r": 16, "t": top, "b": bottom},
-        xaxis={"title": {"text": x_title}, "type": "log" if log_x else "linear",
-               "exponentformat": "power", "nticks": 7},
-        yaxis={"title": {"text": y_title}, "type": "log" if log_y else "linear",
-               "exponentformat": "power", "nticks": 8},
+        xaxis={
+            "title": {"text": x_title},
+            "type": "log" if log_x else "linear",
+            "exponentformat": "power",
+            "nticks": 7,
+        },
+        yaxis={
+            "title": {"text": y_title},
+            "type": "log" if log_y else "linear",
+            "exponentformat": "power",
+            "nticks": 8,
+        },
         showlegend=True,
-        legend={"orientation": "h", "x": 0, "xanchor": "left", "y": -(72 + 92) / plot_h,
-                "yanchor": "top"},
-        sliders=[{"active": active, "steps": steps, "x": 0, "len": 1.0,
-                  "y": -72 / plot_h,
-                  "yanchor": "top", "pad": {"t": 0, "b": 0},
-                  "currentvalue": {"prefix": f"{slider}: "}}])
+        legend={
+            "orientation": "h",
+            "x": 0,
+            "xanchor": "left",
+            "y": -(72 + 92) / plot_h,
+            "yanchor": "top",
+        },
+        sliders=[
+            {
+                "active": active,
+                "steps": steps,
+                "x": 0,
+                "len": 1.0,
+                "y": -72 / plot_h,
+                "yanchor": "top",
+                "pad": {"t": 0, "b": 0},
+                "currentvalue": {"prefix": f"{slider}: "},
+            }
+        ],
+    )
     if opts:
-        layout["updatemenus"] = [{
-            "type": "dropdown", "x": 1.0, "xanchor": "right", "y": 1 + 6 / plot_h,
-            "yanchor": "bottom", "bgcolor": "#ffffff",
-            "buttons": [{"label": str(o), "method": "restyle",
-                         "args": [{"visible": [t.get("option") in (None,
-                                                                   o) for t in first]}]}
-                        for o in opts]}]
+        layout["updatemenus"] = [
+            {
+                "type": "dropdown",
+                "x": 1.0,
+                "xanchor": "right",
+                "y": 1 + 6 / plot_h,
+                "yanchor": "bottom",
+                "bgcolor": "#ffffff",
+                "buttons": [
+                    {
+                        "label": str(o),
+                        "method": "restyle",
+                        "args": [
+                            {"visible": [t.get("option") in (None, o) for t in first]}
+                        ],
+                    }
+                    for o in opts
+                ],
+            }
+        ]
     fig.update_layout(**layout)
     return InteractiveFigure(fig, height=height)

@@ -4,13 +4,34 @@ counted by a ``TorchDispatchMode`` and sorted by kind (the Qwen3-block chapter's
 
 import sys
 
-
 _MATMULS = {"mm", "addmm", "bmm", "matmul", "linear", "baddbmm"}
-_LAYOUT = {"view", "_unsafe_view", "t", "transpose", "expand", "slice", "unsqueeze",
-           "squeeze", "reshape", "as_strided", "select", "detach", "alias", "permute"}
-_ALLOCATION = {"empty", "empty_strided", "new_empty", "empty_like", "zeros",
-               "new_zeros",
-               "zeros_like", "full", "new_full"}
+_LAYOUT = {
+    "view",
+    "_unsafe_view",
+    "t",
+    "transpose",
+    "expand",
+    "slice",
+    "unsqueeze",
+    "squeeze",
+    "reshape",
+    "as_strided",
+    "select",
+    "detach",
+    "alias",
+    "permute",
+}
+_ALLOCATION = {
+    "empty",
+    "empty_strided",
+    "new_empty",
+    "empty_like",
+    "zeros",
+    "new_zeros",
+    "zeros_like",
+    "full",
+    "new_full",
+}
 
 
 def _caller() -> str:
@@ -22,7 +43,11 @@ def _caller() -> str:
         if "/triton/" in name:
             return "interpreter"
         if "/torch/" not in name and "/contextlib" not in name:
-            ours = "/normbook/" in name and "/normbook/lab/" not in name and not name.endswith("hf.py")
+            ours = (
+                "/normbook/" in name
+                and "/normbook/lab/" not in name
+                and not name.endswith("hf.py")
+            )
             return "kernels" if ours else "model"
         frame = frame.f_back
     return "model"

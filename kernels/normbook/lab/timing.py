@@ -88,14 +88,24 @@ def compare(
         try:
             ms = time_ms(fn)
         except Exception as exc:  # a failed compile should not hide the other figures
-            rows.append({"name": name, "ms": math.nan, "GB/s": math.nan,
-                         "note": type(exc).__name__})
+            rows.append(
+                {
+                    "name": name,
+                    "ms": math.nan,
+                    "GB/s": math.nan,
+                    "note": type(exc).__name__,
+                }
+            )
             continue
         rows.append({"name": name, "ms": ms, "GB/s": gbps(nbytes, ms)})
     if show:
-        print(format_table(rows,
-                           title=f"{device_name()}, torch {torch.__version__}, "
-                           f"{nbytes / 1e6:.1f} MB moved"))
+        print(
+            format_table(
+                rows,
+                title=f"{device_name()}, torch {torch.__version__}, "
+                f"{nbytes / 1e6:.1f} MB moved",
+            )
+        )
     return rows
 
 
@@ -147,9 +157,11 @@ def format_table(rows: list[dict], title: str = "") -> str:
     return "\n".join(lines)
 
 
-def copy_bandwidth(nbytes: int = 2**28,
-                   timer: Callable[[Callable[[], object]], float] | None = None,
-                   device: torch.device | None = None) -> dict:
+def copy_bandwidth(
+    nbytes: int = 2**28,
+    timer: Callable[[Callable[[], object]], float] | None = None,
+    device: torch.device | None = None,
+) -> dict:
     """The memory-bound speed of light, measured: a device-to-device copy of ``nbytes``
     bytes.
 

@@ -34,11 +34,16 @@ normbook.lab.bench`` exit with status 1 (unless only Liger failed). Modules: :mo
 :mod:`.report` (files, reading runs back).
 """
 
+from .. import timing  # noqa: F401
 from .cases import *  # noqa: F401,F403
-from .cases import (_kernel, _liger, _needs_backward, _rand, _rotate_half)  # noqa: F401
+from .cases import _kernel, _liger, _needs_backward, _rand, _rotate_half  # noqa: F401
 from .report import *  # noqa: F401,F403
 from .report import _slug  # noqa: F401
 from .runner import *  # noqa: F401,F403
-# noqa: F401
-from .runner import (_as_tuple, _compiled, _max_rel_err, _row, _timed_call)
-from .. import timing  # noqa: F401
+from .runner import (  # noqa: F401
+    _as_tuple,
+    _compiled,
+    _max_rel_err,
+    _row,
+    _timed_call,
+)

@@ -20,8 +20,7 @@ from typing import Callable
 import torch
 
 from .. import timing
-
-from ..paths import DATA, REPO as ROOT
+from ..paths import DATA
 
 # $NORMBOOK_BENCH_DIR: read recorded runs from there instead (the tests' fixture).
 DATA_DIR = pathlib.Path(os.environ.get("NORMBOOK_BENCH_DIR") or DATA / "bench")
@@ -33,20 +32,23 @@ SMOKE_SWEEP = [256, 1024]
 SMOKE_ELEMENTS = 2**12
 # qk_norm_rope: Qwen3's head_dim; N = heads · HEAD_DIM
 HEAD_DIM = 128
-GQA_GROUP = 4                            # qk_norm_rope: query heads per key head
+GQA_GROUP = 4  # qk_norm_rope: query heads per key head
 # Decode: a few rows (tokens) of a model's hidden size, where a GPU must be filled from
 # few rows.
 DECODE_M = (1, 8, 64)
 DECODE_N = (4096, 8192)
-SMOKE_DECODE = [(1, 1024)]         # the smoke run's decode shape: one row
+SMOKE_DECODE = [(1, 1024)]  # the smoke run's decode shape: one row
 # decode_attention in the inspector: cached tokens per row
 DECODE_CACHE = 4096
-DECODE_PAGE = 16                   # and its paged cache's block size (vLLM's default)
+DECODE_PAGE = 16  # and its paged cache's block size (vLLM's default)
 PROVIDERS = ["normbook", "torch eager", "torch.compile", "liger"]
-DO_BENCH = ("triton.testing.do_bench (warm-up, median of many runs, "
-            "L2 flushed before each)")
-WALL_CLOCK = ("wall clock in Triton's CPU interpreter "
-              "(smoke run: exercises the code, not a GPU figure)")
+DO_BENCH = (
+    "triton.testing.do_bench (warm-up, median of many runs, L2 flushed before each)"
+)
+WALL_CLOCK = (
+    "wall clock in Triton's CPU interpreter "
+    "(smoke run: exercises the code, not a GPU figure)"
+)
 
 #: The chapter's targets for bf16 and N >= 4096, as fractions of the measured copy
 #: bandwidth.
@@ -60,6 +62,7 @@ class Skip(Exception):
 
 
 # ---------------------------------------------------------------- the cases
+
 
 @dataclass
 class Problem:
@@ -76,7 +79,7 @@ class Problem:
     nbytes: int
     ours: Callable
     formula: Callable
-    liger: Callable | None = None      # None: Liger has no such kernel
+    liger: Callable | None = None  # None: Liger has no such kernel
     # backward cases: positions of the inputs to differentiate
     wrt: tuple[int, ...] = ()
     grad_outputs: tuple = ()
@@ -87,9 +90,9 @@ class Problem:
 @dataclass
 class Case:
     kernel: str
-    direction: str                     # "forward" | "backward"
+    direction: str  # "forward" | "backward"
     build: Callable[[int, int, torch.dtype, torch.device], Problem]
-    target: str = ""                   # key of TARGETS
+    target: str = ""  # key of TARGETS
     # Its own (M, N, regime) shapes, given smoke: True/False, instead of the sweep and
     # the decode shapes (decode_attention: M requests, N cached tokens each). None: the
     # default.
@@ -106,7 +109,9 @@ def _kernel(name: str):
         module = importlib.import_module("normbook")
         return getattr(module, name)
     except (ImportError, AttributeError) as exc:
-        raise Skip(f"normbook.{name} does not exist yet ({type(exc).__name__})") from exc
+        raise Skip(
+            f"normbook.{name} does not exist yet ({type(exc).__name__})"
+        ) from exc
 
 
 def _liger(module: str, attr: str):
@@ -118,8 +123,9 @@ def _liger(module: str, attr: str):
         return getattr(importlib.import_module(f"liger_kernel.ops.{module}"), attr)
     # an old Liger without the op, or one that fails to import here
     except Exception as exc:
-        raise Skip(f"liger_kernel.ops.{module}.{attr} unavailable "
-                   f"({type(exc).__name__})") from exc
+        raise Skip(
+            f"liger_kernel.ops.{module}.{attr} unavailable ({type(exc).__name__})"
+        ) from exc
 
 
 def _rand(*shape, dtype, device, scale=1.0):
@@ -131,11 +137,16 @@ def _rand(*shape, dtype, device, scale=1.0):
 def _needs_backward(fn, *inputs):
     """Raise Skip if ``fn`` is not differentiable through autograd (its backward not
     written yet)."""
-    probe = [(t.detach()[:1] if t.dim() > 1 else t.detach()).clone()
-             # integer inputs (targets) take no gradient
-             .requires_grad_(t.is_floating_point())
-             # one row is enough to ask
-             if isinstance(t, torch.Tensor) else t for t in inputs]
+    probe = [
+        (t.detach()[:1] if t.dim() > 1 else t.detach())
+        .clone()
+        # integer inputs (targets) take no gradient
+        .requires_grad_(t.is_floating_point())
+        # one row is enough to ask
+        if isinstance(t, torch.Tensor)
+        else t
+        for t in inputs
+    ]
     out = fn(*probe)
     out = out if isinstance(out, tuple) else (out,)
     if not any(isinstance(o, torch.Tensor) and o.grad_fn is not None for o in out):
@@ -144,10 +155,12 @@ def _needs_backward(fn, *inputs):
 
 # The PyTorch formulas, written as the Hugging Face modules write them.
 
+
 def torch_rms_norm(x, weight, eps=1e-6):
     xf = x.to(torch.float32)
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1,
-                                                     keepdim=True) + eps)).to(x.dtype)
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(
+        x.dtype
+    )
 
 
 def torch_layer_norm(x, weight, bias, eps=1e-5):
@@ -188,15 +201,28 @@ def build_rms_norm(M, N, dtype, device, backward=False):
         liger = exc
     if not backward:
         y = torch.empty_like(x)
-        return Problem((x, w), timing.bytes_moved(x, w, y), lambda x,
-                       w: ours(x, w, 1e-6),
-                       torch_rms_norm, liger, shape=f"x ({M}, {N})")
+        return Problem(
+            (x, w),
+            timing.bytes_moved(x, w, y),
+            lambda x, w: ours(x, w, 1e-6),
+            torch_rms_norm,
+            liger,
+            shape=f"x ({M}, {N})",
+        )
     _needs_backward(lambda x, w: ours(x, w, 1e-6), x, w)
     dy = _rand(M, N, dtype=dtype, device=device)
     # Must move: read x, w, dy; write dx and dw.
     nbytes = timing.bytes_moved(x, w, dy, torch.empty_like(x), torch.empty_like(w))
-    return Problem((x, w), nbytes, lambda x, w: ours(x, w, 1e-6), torch_rms_norm, liger,
-                   wrt=(0, 1), grad_outputs=(dy,), shape=f"x ({M}, {N})")
+    return Problem(
+        (x, w),
+        nbytes,
+        lambda x, w: ours(x, w, 1e-6),
+        torch_rms_norm,
+        liger,
+        wrt=(0, 1),
+        grad_outputs=(dy,),
+        shape=f"x ({M}, {N})",
+    )
 
 
 def build_layer_norm(M, N, dtype, device, backward=False):
@@ -210,16 +236,30 @@ def build_layer_norm(M, N, dtype, device, backward=False):
         liger = exc
     call = lambda x, w, b: ours(x, w, b, 1e-5)  # noqa: E731
     if not backward:
-        return Problem((x, w, b), timing.bytes_moved(x, w, b, torch.empty_like(x)),
-                       call,
-                       torch_layer_norm, liger, shape=f"x ({M}, {N})")
+        return Problem(
+            (x, w, b),
+            timing.bytes_moved(x, w, b, torch.empty_like(x)),
+            call,
+            torch_layer_norm,
+            liger,
+            shape=f"x ({M}, {N})",
+        )
     _needs_backward(call, x, w, b)
     dy = _rand(M, N, dtype=dtype, device=device)
     # Must move: read x, w, dy (b is not needed); write dx, dw and db.
-    nbytes = timing.bytes_moved(x, w, dy, torch.empty_like(x), torch.empty_like(w),
-                                torch.empty_like(b))
-    return Problem((x, w, b), nbytes, call, torch_layer_norm, liger,
-                   wrt=(0, 1, 2), grad_outputs=(dy,), shape=f"x ({M}, {N})")
+    nbytes = timing.bytes_moved(
+        x, w, dy, torch.empty_like(x), torch.empty_like(w), torch.empty_like(b)
+    )
+    return Problem(
+        (x, w, b),
+        nbytes,
+        call,
+        torch_layer_norm,
+        liger,
+        wrt=(0, 1, 2),
+        grad_outputs=(dy,),
+        shape=f"x ({M}, {N})",
+    )
 
 
 def build_fused_add_rms_norm(M, N, dtype, device, backward=False):
@@ -240,14 +280,24 @@ def build_fused_add_rms_norm(M, N, dtype, device, backward=False):
         dh = _rand(M, N, dtype=dtype, device=device)
         # Must move: read h (saved), w, dy and the residual stream's gradient dh; write
         # the gradient of x + residual (one tensor for both) and dw.
-        nbytes = timing.bytes_moved(x, w, dy, dh, torch.empty_like(x),
-                                    torch.empty_like(w))
-        return Problem((x, r, w), nbytes, call, torch_fused_add_rms_norm, liger,
-                       wrt=(0, 1, 2), grad_outputs=(dy, dh), shape=shape)
+        nbytes = timing.bytes_moved(
+            x, w, dy, dh, torch.empty_like(x), torch.empty_like(w)
+        )
+        return Problem(
+            (x, r, w),
+            nbytes,
+            call,
+            torch_fused_add_rms_norm,
+            liger,
+            wrt=(0, 1, 2),
+            grad_outputs=(dy, dh),
+            shape=shape,
+        )
     # Must move: read x, residual, w; write y and residual_out.
     nbytes = timing.bytes_moved(x, r, w, torch.empty_like(x), torch.empty_like(x))
-    return Problem((x, r, w), nbytes, call, torch_fused_add_rms_norm, liger,
-                   shape=shape)
+    return Problem(
+        (x, r, w), nbytes, call, torch_fused_add_rms_norm, liger, shape=shape
+    )
 
 
 def build_qk_norm_rope(M, N, dtype, device):
@@ -258,21 +308,27 @@ def build_qk_norm_rope(M, N, dtype, device):
     hk = max(1, hq // GQA_GROUP)
     q = _rand(1, M, hq, HEAD_DIM, dtype=dtype, device=device)
     k = _rand(1, M, hk, HEAD_DIM, dtype=dtype, device=device)
-    qw, kw = _rand(HEAD_DIM, dtype=dtype, device=device), _rand(HEAD_DIM, dtype=dtype,
-                                                                device=device)
-    angles = torch.arange(M, device=device,
-                          dtype=torch.float32)[:, None] * torch.rand(HEAD_DIM // 2,
-                                                                     device=device)
+    qw, kw = (
+        _rand(HEAD_DIM, dtype=dtype, device=device),
+        _rand(HEAD_DIM, dtype=dtype, device=device),
+    )
+    angles = torch.arange(M, device=device, dtype=torch.float32)[:, None] * torch.rand(
+        HEAD_DIM // 2, device=device
+    )
     angles = torch.cat([angles, angles], dim=-1)[None]
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     # Must move: read q, k, both weights, cos, sin; write q_out and k_out.
-    nbytes = timing.bytes_moved(q, k, qw, kw, cos, sin, torch.empty_like(q),
-                                torch.empty_like(k))
-    return Problem((q, k, qw, kw, cos, sin), nbytes,
-                   lambda q, k, qw, kw, c, s: ours(q, k, qw, kw, c, s, 1e-6),
-                   torch_qk_norm_rope,
-                   Skip("Liger has no fused QK-Norm + RoPE"),
-                   shape=f"q (1, {M}, {hq}, {HEAD_DIM}), k (1, {M}, {hk}, {HEAD_DIM})")
+    nbytes = timing.bytes_moved(
+        q, k, qw, kw, cos, sin, torch.empty_like(q), torch.empty_like(k)
+    )
+    return Problem(
+        (q, k, qw, kw, cos, sin),
+        nbytes,
+        lambda q, k, qw, kw, c, s: ours(q, k, qw, kw, c, s, 1e-6),
+        torch_qk_norm_rope,
+        Skip("Liger has no fused QK-Norm + RoPE"),
+        shape=f"q (1, {M}, {hq}, {HEAD_DIM}), k (1, {M}, {hk}, {HEAD_DIM})",
+    )
 
 
 def build_softmax(M, N, dtype, device, backward=False):
@@ -285,15 +341,28 @@ def build_softmax(M, N, dtype, device, backward=False):
     except Skip as exc:
         liger = exc
     if not backward:
-        return Problem((x,), timing.bytes_moved(x, torch.empty_like(x)), ours, formula,
-                       liger,
-                       shape=f"x ({M}, {N})")
+        return Problem(
+            (x,),
+            timing.bytes_moved(x, torch.empty_like(x)),
+            ours,
+            formula,
+            liger,
+            shape=f"x ({M}, {N})",
+        )
     _needs_backward(ours, x)
     dy = _rand(M, N, dtype=dtype, device=device)
     # Must move: read y (saved) and dy; write dx.
     nbytes = timing.bytes_moved(x, dy, torch.empty_like(x))
-    return Problem((x,), nbytes, ours, formula, liger, wrt=(0,), grad_outputs=(dy,),
-                   shape=f"x ({M}, {N})")
+    return Problem(
+        (x,),
+        nbytes,
+        ours,
+        formula,
+        liger,
+        wrt=(0,),
+        grad_outputs=(dy,),
+        shape=f"x ({M}, {N})",
+    )
 
 
 def build_cross_entropy(M, N, dtype, device, backward=False):
@@ -305,14 +374,27 @@ def build_cross_entropy(M, N, dtype, device, backward=False):
     liger = Skip("not compared: Liger's cross-entropy writes its gradient in place")
     if not backward:
         # Must move: read the logits (and the targets); the loss is one number.
-        return Problem((x, target), timing.bytes_moved(x, target), ours, formula, liger,
-                       shape=f"logits ({M}, {N})")
+        return Problem(
+            (x, target),
+            timing.bytes_moved(x, target),
+            ours,
+            formula,
+            liger,
+            shape=f"logits ({M}, {N})",
+        )
     _needs_backward(lambda x, t: ours(x, t[: x.shape[0]]), x, target)
     # Must move: read the logits (and targets); write their gradient.
     nbytes = timing.bytes_moved(x, target, torch.empty_like(x))
-    return Problem((x, target), nbytes, ours, formula, liger, wrt=(0,),
-                   grad_outputs=(torch.ones((), device=device),),
-                   shape=f"logits ({M}, {N})")
+    return Problem(
+        (x, target),
+        nbytes,
+        ours,
+        formula,
+        liger,
+        wrt=(0,),
+        grad_outputs=(torch.ones((), device=device),),
+        shape=f"logits ({M}, {N})",
+    )
 
 
 def build_attention(M, N, dtype, device):
@@ -329,15 +411,20 @@ def build_attention(M, N, dtype, device):
 
     def formula(q, k, v):
         return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=True)
+            q, k, v, is_causal=True, enable_gqa=True
+        )
 
     # Must move: read q, k, v; write the output (no score matrix).
     nbytes = timing.bytes_moved(q, k, v, torch.empty_like(q))
-    return Problem((q, k, v), nbytes, lambda q, k, v: ours(q, k, v, causal="top_left"),
-                   formula,
-                   Skip("Liger has no attention kernel"),
-                   shape=f"q ({batch}, {hq}, {seq}, {HEAD_DIM}), k, v ({batch}, {hk}, "
-                   f"{seq}, {HEAD_DIM})")
+    return Problem(
+        (q, k, v),
+        nbytes,
+        lambda q, k, v: ours(q, k, v, causal="top_left"),
+        formula,
+        Skip("Liger has no attention kernel"),
+        shape=f"q ({batch}, {hq}, {seq}, {HEAD_DIM}), k, v ({batch}, {hk}, "
+        f"{seq}, {HEAD_DIM})",
+    )
 
 
 def build_attention_backward(M, N, dtype, device):
@@ -356,9 +443,16 @@ def build_attention_backward(M, N, dtype, device):
     dout = _rand(*q.shape, dtype=dtype, device=device)
     # Must move: read q, k, v, O, dO (and L, D: one number a row); write dq, dk, dv.
     nbytes = timing.bytes_moved(q, k, v, dout, dout, q, k, v)
-    return Problem((q, k, v), nbytes, problem.ours, problem.formula, problem.liger,
-                   wrt=(0, 1, 2), grad_outputs=(dout,),
-                   shape=f"{problem.shape}; backward {flop:.4g} flop (4 products)")
+    return Problem(
+        (q, k, v),
+        nbytes,
+        problem.ours,
+        problem.formula,
+        problem.liger,
+        wrt=(0, 1, 2),
+        grad_outputs=(dout,),
+        shape=f"{problem.shape}; backward {flop:.4g} flop (4 products)",
+    )
 
 
 def build_sample(M, N, dtype, device):
@@ -368,9 +462,14 @@ def build_sample(M, N, dtype, device):
     x = _rand(M, N, dtype=dtype, device=device)
     # Must move: read the logits; write one index per row.
     nbytes = timing.bytes_moved(x, torch.empty(M, dtype=torch.int64, device=device))
-    return Problem((x,), nbytes, lambda x: ours(x, temperature=0.0),
-                   lambda x: x.argmax(-1),
-                   Skip("Liger has no sampling kernel"), shape=f"logits ({M}, {N})")
+    return Problem(
+        (x,),
+        nbytes,
+        lambda x: ours(x, temperature=0.0),
+        lambda x: x.argmax(-1),
+        Skip("Liger has no sampling kernel"),
+        shape=f"logits ({M}, {N})",
+    )
 
 
 # ---- decode attention (issue 19): M requests of N cached tokens each, Qwen3-8B's heads
@@ -397,51 +496,93 @@ def build_decode_attention(M, N, dtype, device):
     lens = torch.full((M,), N, dtype=torch.int32, device=device)
 
     def formula(q, k, v, lens):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v,
-                                                                enable_gqa=True)
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, enable_gqa=True
+        )
 
     # Must move: read q and the whole cache; write the output.
     nbytes = timing.bytes_moved(q, k, v, torch.empty_like(q))
-    return Problem((q, k, v, lens), nbytes, ours, formula,
-                   Skip("Liger has no decode attention kernel"),
-                   shape=f"q ({M}, {hq}, 1, {HEAD_DIM}), k, v ({M}, {hk}, {N}, "
-                   f"{HEAD_DIM})")
+    return Problem(
+        (q, k, v, lens),
+        nbytes,
+        ours,
+        formula,
+        Skip("Liger has no decode attention kernel"),
+        shape=f"q ({M}, {hq}, 1, {HEAD_DIM}), k, v ({M}, {hk}, {N}, {HEAD_DIM})",
+    )
 
 
 CASES = [
-    Case("rms_norm", "forward", lambda M, N, dt, dev: build_rms_norm(M, N, dt, dev),
-         "forward"),
-    Case("rms_norm", "backward", lambda M, N, dt,
-         dev: build_rms_norm(M, N, dt, dev, True), "backward"),
-    Case("layer_norm", "forward", lambda M, N, dt, dev: build_layer_norm(M, N, dt, dev),
-         "forward"),
-    Case("layer_norm", "backward", lambda M, N, dt,
-         dev: build_layer_norm(M, N, dt, dev, True), "backward"),
+    Case(
+        "rms_norm",
+        "forward",
+        lambda M, N, dt, dev: build_rms_norm(M, N, dt, dev),
+        "forward",
+    ),
+    Case(
+        "rms_norm",
+        "backward",
+        lambda M, N, dt, dev: build_rms_norm(M, N, dt, dev, True),
+        "backward",
+    ),
+    Case(
+        "layer_norm",
+        "forward",
+        lambda M, N, dt, dev: build_layer_norm(M, N, dt, dev),
+        "forward",
+    ),
+    Case(
+        "layer_norm",
+        "backward",
+        lambda M, N, dt, dev: build_layer_norm(M, N, dt, dev, True),
+        "backward",
+    ),
     Case("fused_add_rms_norm", "forward", build_fused_add_rms_norm, "fused add"),
     Case("qk_norm_rope", "forward", build_qk_norm_rope, "forward"),
-    Case("softmax", "forward", lambda M, N, dt, dev: build_softmax(M, N, dt, dev),
-         "forward"),
-    Case("softmax", "backward", lambda M, N, dt,
-         dev: build_softmax(M, N, dt, dev, True), "backward"),
-    Case("cross_entropy", "forward", lambda M, N, dt,
-         dev: build_cross_entropy(M, N, dt, dev)),
-    Case("cross_entropy", "backward", lambda M, N, dt,
-         dev: build_cross_entropy(M, N, dt, dev, True)),
+    Case(
+        "softmax",
+        "forward",
+        lambda M, N, dt, dev: build_softmax(M, N, dt, dev),
+        "forward",
+    ),
+    Case(
+        "softmax",
+        "backward",
+        lambda M, N, dt, dev: build_softmax(M, N, dt, dev, True),
+        "backward",
+    ),
+    Case(
+        "cross_entropy",
+        "forward",
+        lambda M, N, dt, dev: build_cross_entropy(M, N, dt, dev),
+    ),
+    Case(
+        "cross_entropy",
+        "backward",
+        lambda M, N, dt, dev: build_cross_entropy(M, N, dt, dev, True),
+    ),
     Case("attention", "forward", build_attention),
     Case("attention", "backward", build_attention_backward),
     Case("sample", "forward", build_sample),
-    Case("decode_attention", "forward", build_decode_attention,
-         shapes=decode_attention_shapes),
+    Case(
+        "decode_attention",
+        "forward",
+        build_decode_attention,
+        shapes=decode_attention_shapes,
+    ),
     # the GPU day (kernels/normbook/lab/bench/plan.py)
-    Case("fused_add_rms_norm", "backward",
-         lambda M, N, dt, dev: build_fused_add_rms_norm(M, N, dt, dev, True),
-         "backward"),
+    Case(
+        "fused_add_rms_norm",
+        "backward",
+        lambda M, N, dt, dev: build_fused_add_rms_norm(M, N, dt, dev, True),
+        "backward",
+    ),
 ]
-
 
 
 # ---------------------------------------------------------------- swiglu,
 # linear_cross_entropy (one block: branch train)
+
 
 def torch_swiglu(gate, up):
     """The MLP's gate as Hugging Face writes it: ``act_fn(gate_proj(x)) *
@@ -468,18 +609,34 @@ def build_swiglu(M, N, dtype, device, backward=False):
     dy = _rand(M, N, dtype=dtype, device=device)
     # Must move: read g, u and dy; write dg and du.
     nbytes = timing.bytes_moved(g, u, dy, torch.empty_like(g), torch.empty_like(u))
-    liger = Skip("not compared: Liger's SiLU-mul backward overwrites its saved inputs "
-                 "in place")
-    return Problem((g, u), nbytes, ours, torch_swiglu, liger, wrt=(0, 1),
-                   grad_outputs=(dy,),
-                   shape=shape)
+    liger = Skip(
+        "not compared: Liger's SiLU-mul backward overwrites its saved inputs in place"
+    )
+    return Problem(
+        (g, u),
+        nbytes,
+        ours,
+        torch_swiglu,
+        liger,
+        wrt=(0, 1),
+        grad_outputs=(dy,),
+        shape=shape,
+    )
 
 
 CASES += [
-    Case("swiglu", "forward", lambda M, N, dt, dev: build_swiglu(M, N, dt, dev),
-         "forward"),
-    Case("swiglu", "backward", lambda M, N, dt, dev: build_swiglu(M, N, dt, dev, True),
-         "backward"),
+    Case(
+        "swiglu",
+        "forward",
+        lambda M, N, dt, dev: build_swiglu(M, N, dt, dev),
+        "forward",
+    ),
+    Case(
+        "swiglu",
+        "backward",
+        lambda M, N, dt, dev: build_swiglu(M, N, dt, dev, True),
+        "backward",
+    ),
 ]
 
 #: Qwen3-8B's head at a training step of 8,192 tokens: (M, V, d).
@@ -508,9 +665,10 @@ def measure_linear_cross_entropy(timer, device, dtype=torch.bfloat16, shape=LCE_
     def materialized(h, w, t):
         return normbook.cross_entropy(torch.nn.functional.linear(h, w), t)
 
-    providers = {"normbook": normbook.linear_cross_entropy,
-                 "F.linear + normbook.cross_entropy":
-                 materialized}
+    providers = {
+        "normbook": normbook.linear_cross_entropy,
+        "F.linear + normbook.cross_entropy": materialized,
+    }
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
@@ -521,9 +679,15 @@ def measure_linear_cross_entropy(timer, device, dtype=torch.bfloat16, shape=LCE_
     want = None
     rows = []
     for name, fn in providers.items():
-        row = {"kernel": "linear_cross_entropy", "provider": name, "M": M, "V": V,
-               "d": d,
-               "dtype": str(dtype).replace("torch.", ""), "logits_bytes": logits_bytes}
+        row = {
+            "kernel": "linear_cross_entropy",
+            "provider": name,
+            "M": M,
+            "V": V,
+            "d": d,
+            "dtype": str(dtype).replace("torch.", ""),
+            "logits_bytes": logits_bytes,
+        }
         if isinstance(fn, Skip):
             rows.append({**row, "status": "skipped", "note": str(fn)})
             continue
@@ -547,14 +711,24 @@ def measure_linear_cross_entropy(timer, device, dtype=torch.bfloat16, shape=LCE_
                 how = "CPU: largest storage one op allocated (not a peak of the sum)"
             ms = float(timer(step))
         except Exception as exc:  # e.g. out of memory for the materialized logits
-            rows.append({**row, "status": "error",
-                         "note": f"{type(exc).__name__}: {exc}"[:200]})
+            rows.append(
+                {**row, "status": "error", "note": f"{type(exc).__name__}: {exc}"[:200]}
+            )
             continue
         loss = float(loss.detach())
         want = loss if want is None else want
-        rows.append({**row, "status": "ok", "ms": ms, "extra_bytes": int(extra),
-                     "extra_over_logits": extra / logits_bytes, "memory": how,
-                     "loss": loss, "loss_diff": abs(loss - want)})
+        rows.append(
+            {
+                **row,
+                "status": "ok",
+                "ms": ms,
+                "extra_bytes": int(extra),
+                "extra_over_logits": extra / logits_bytes,
+                "memory": how,
+                "loss": loss,
+                "loss_diff": abs(loss - want),
+            }
+        )
     return rows
 
 
@@ -575,7 +749,8 @@ def build_linear_cross_entropy(M, N, dtype, device):
 
     def formula(h, w, t):  # as transformers: logits, upcast, cross-entropy
         return torch.nn.functional.cross_entropy(
-            torch.nn.functional.linear(h, w).float(), t)
+            torch.nn.functional.linear(h, w).float(), t
+        )
 
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
@@ -586,10 +761,23 @@ def build_linear_cross_entropy(M, N, dtype, device):
         liger = Skip(f"liger-kernel unavailable ({type(exc).__name__})")
     # Must move: read h and W (forward and backward), write dh and dW.
     nbytes = timing.bytes_moved(h, w, torch.empty_like(h), torch.empty_like(w))
-    return Problem((h, w, t), nbytes, ours, formula, liger, wrt=(0, 1),
-                   grad_outputs=(torch.ones((), device=device),),
-                   shape=f"hidden ({M}, {N}), weight ({V}, {N})")
+    return Problem(
+        (h, w, t),
+        nbytes,
+        ours,
+        formula,
+        liger,
+        wrt=(0, 1),
+        grad_outputs=(torch.ones((), device=device),),
+        shape=f"hidden ({M}, {N}), weight ({V}, {N})",
+    )
 
 
-CASES += [Case("linear_cross_entropy", "backward", build_linear_cross_entropy,
-               shapes=linear_cross_entropy_shapes)]
+CASES += [
+    Case(
+        "linear_cross_entropy",
+        "backward",
+        build_linear_cross_entropy,
+        shapes=linear_cross_entropy_shapes,
+    )
+]

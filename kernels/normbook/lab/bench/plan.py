@@ -28,17 +28,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ELEMENTS = 2**27                        # M·N of the row shapes: 256 MiB of bf16
+ELEMENTS = 2**27  # M·N of the row shapes: 256 MiB of bf16
 HEADLINE_N = (4096, 8192, 32768, 131072)
 ROWS = tuple((ELEMENTS // n, n) for n in HEADLINE_N)
 DECODE = ((1, 4096), (8, 4096), (64, 4096))  # a few tokens of a 4096-wide model
-VOCAB = 151_936                         # Qwen's vocabulary
-LOGITS = ((1024, VOCAB),)               # a batch of 1,024 tokens' logits
+VOCAB = 151_936  # Qwen's vocabulary
+LOGITS = ((1024, VOCAB),)  # a batch of 1,024 tokens' logits
 # one causal sequence of 32 heads of 128
 ATTENTION = ((1024, 4096), (2048, 4096), (4096, 4096))
 SAMPLE = ((1, VOCAB), (64, VOCAB))
 SWIGLU = ((8192, 12288), (1, 12288), (64, 12288))  # tokens × Qwen3-8B's MLP width
-KV_CACHE = ((1, 4096), (64, 4096), (8, 32768))   # requests × cached tokens
+KV_CACHE = ((1, 4096), (64, 4096), (8, 32768))  # requests × cached tokens
 
 # the dry run: the interpreter runs one program at a time
 SMOKE_ROWS = ((16, 256), (1, 256))
@@ -48,9 +48,9 @@ SMOKE_ATTENTION = ((64, 256),)
 
 @dataclass(frozen=True)
 class Entry:
-    case: str                           # a Case.name in normbook.lab.bench.cases.CASES
+    case: str  # a Case.name in normbook.lab.bench.cases.CASES
     shapes: tuple
-    compile_at: tuple = (0, 1)          # indices into shapes: torch.compile timed too
+    compile_at: tuple = (0, 1)  # indices into shapes: torch.compile timed too
     smoke: tuple = SMOKE_ROWS
 
 

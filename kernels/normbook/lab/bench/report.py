@@ -9,22 +9,49 @@ import math
 import pathlib
 import re
 
-from .cases import CASES, DATA_DIR, DO_BENCH, PROVIDERS, ROOT, TARGET_MIN_N, TARGETS
+from ..paths import REPO as ROOT
+from .cases import CASES, DATA_DIR, DO_BENCH, PROVIDERS, TARGET_MIN_N, TARGETS
 
 # ---------------------------------------------------------------- files
 
-CSV_FIELDS = ["kernel", "direction", "provider", "regime", "M", "N", "shape", "dtype",
-              "bytes", "ms", "GB/s", "pct_of_copy", "status", "check", "note", "gpu",
-              "torch", "triton", "date", "copy_GB/s", "smoke"]
+CSV_FIELDS = [
+    "kernel",
+    "direction",
+    "provider",
+    "regime",
+    "M",
+    "N",
+    "shape",
+    "dtype",
+    "bytes",
+    "ms",
+    "GB/s",
+    "pct_of_copy",
+    "status",
+    "check",
+    "note",
+    "gpu",
+    "torch",
+    "triton",
+    "date",
+    "copy_GB/s",
+    "smoke",
+]
 
 
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower() or "device"
 
 
-def write_results(out_dir: pathlib.Path, prov: dict, copy: dict, rows: list[dict],
-                  errors: list[dict] = (), complete: bool = True,
-                  cut: str | None = None) -> tuple[pathlib.Path, pathlib.Path]:
+def write_results(
+    out_dir: pathlib.Path,
+    prov: dict,
+    copy: dict,
+    rows: list[dict],
+    errors: list[dict] = (),
+    complete: bool = True,
+    cut: str | None = None,
+) -> tuple[pathlib.Path, pathlib.Path]:
     """Write (or rewrite) the run's JSON and CSV. Each file is replaced whole (written
     beside, then renamed), so that a process stopped at any moment leaves the last
     complete version. ``complete`` False with ``cut`` says the run was stopped and
@@ -44,11 +71,18 @@ def write_results(out_dir: pathlib.Path, prov: dict, copy: dict, rows: list[dict
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
         writer.writeheader()
         for r in rows:
-            writer.writerow({**r, "dtype": prov["dtype"], "gpu": prov["gpu"],
-                             "torch": prov["torch"],
-                             "triton": prov["triton"], "date": prov["date"],
-                             "copy_GB/s": copy["GB/s"],
-                             "smoke": prov["smoke"]})
+            writer.writerow(
+                {
+                    **r,
+                    "dtype": prov["dtype"],
+                    "gpu": prov["gpu"],
+                    "torch": prov["torch"],
+                    "triton": prov["triton"],
+                    "date": prov["date"],
+                    "copy_GB/s": copy["GB/s"],
+                    "smoke": prov["smoke"],
+                }
+            )
     tmp.replace(csv_path)
     return json_path, csv_path
 
@@ -174,26 +208,37 @@ def summary(run_: dict) -> list[dict]:
     """Per case and provider: the lowest % of copy bandwidth for N >= TARGET_MIN_N, and
     whether the Triton kernel is at least as fast as torch.compile on every shape."""
     # The sweep's rows (many rows per shape); decode shapes are read separately.
-    ok = [r for r in run_["results"]
-          if r["status"] == "ok" and r.get("regime", "sweep") in ("sweep", "")]
+    ok = [
+        r
+        for r in run_["results"]
+        if r["status"] == "ok" and r.get("regime", "sweep") in ("sweep", "")
+    ]
     out = []
     for kernel, direction in dict.fromkeys((r["kernel"], r["direction"]) for r in ok):
-        case = next((c for c in CASES if c.kernel == kernel
-                     and c.direction == direction), None)
+        case = next(
+            (c for c in CASES if c.kernel == kernel and c.direction == direction), None
+        )
         target = TARGETS.get(case.target) if case else None
         rows = [r for r in ok if (r["kernel"], r["direction"]) == (kernel, direction)]
         compiled = {r["N"]: r["ms"] for r in rows if r["provider"] == "torch.compile"}
         for provider in dict.fromkeys(r["provider"] for r in rows):
             mine = [r for r in rows if r["provider"] == provider]
-            big = [r["pct_of_copy"] for r in mine
-                   if r["N"] >= TARGET_MIN_N and r["pct_of_copy"] is not None]
-            entry = {"kernel": kernel, "direction": direction, "provider": provider,
-                     "min % of copy (N >= 4096)": min(big) if big else None,
-                     "target %": 100 * target if target and provider == "normbook"
-                     else None}
+            big = [
+                r["pct_of_copy"]
+                for r in mine
+                if r["N"] >= TARGET_MIN_N and r["pct_of_copy"] is not None
+            ]
+            entry = {
+                "kernel": kernel,
+                "direction": direction,
+                "provider": provider,
+                "min % of copy (N >= 4096)": min(big) if big else None,
+                "target %": 100 * target if target and provider == "normbook" else None,
+            }
             if provider == "normbook" and compiled:
                 entry["as fast as torch.compile on every N"] = all(
-                    r["ms"] <= compiled[r["N"]] for r in mine if r["N"] in compiled)
+                    r["ms"] <= compiled[r["N"]] for r in mine if r["N"] in compiled
+                )
             out.append(entry)
     return out
 
@@ -203,8 +248,11 @@ def plot_run(run_: dict):
     line."""
     import matplotlib.pyplot as plt
 
-    ok = [r for r in run_["results"]
-          if r["status"] == "ok" and r.get("regime", "sweep") in ("sweep", "")]
+    ok = [
+        r
+        for r in run_["results"]
+        if r["status"] == "ok" and r.get("regime", "sweep") in ("sweep", "")
+    ]
     cases = list(dict.fromkeys((r["kernel"], r["direction"]) for r in ok))
     # one panel per row: legible on a phone (see normbook.lab.notebook._sharp_figures)
     cols = 1
@@ -213,9 +261,12 @@ def plot_run(run_: dict):
     copy = run_["copy"]["GB/s"]
     for ax, (kernel, direction) in zip(axes.flat, cases):
         for provider in PROVIDERS:
-            pts = sorted((r["N"], r["GB/s"]) for r in ok
-                         if (r["kernel"], r["direction"],
-                             r["provider"]) == (kernel, direction, provider))
+            pts = sorted(
+                (r["N"], r["GB/s"])
+                for r in ok
+                if (r["kernel"], r["direction"], r["provider"])
+                == (kernel, direction, provider)
+            )
             if pts:
                 ax.plot(*zip(*pts), marker="o", ms=3, label=provider)
         ax.axhline(copy, color="k", ls="--", lw=1, label="copy (measured)")
@@ -224,7 +275,7 @@ def plot_run(run_: dict):
         ax.set_xlabel("hidden size N")
         ax.set_ylabel("GB/s")
         ax.set_ylim(0, copy * 1.15)
-    for ax in list(axes.flat)[len(cases):]:
+    for ax in list(axes.flat)[len(cases) :]:
         ax.axis("off")
     if cases:
         axes.flat[0].legend()

@@ -21,14 +21,31 @@ from typing import Callable
 
 import torch
 
-from .. import timing
 from normbook._runtime import DEVICE, INTERPRET, default_dtype, device_name
-from .cases import (CASES, DATA_DIR, DECODE_M, DECODE_N, DO_BENCH, ELEMENTS, PROVIDERS,
-                    ROOT, SMOKE_DECODE,
-                    SMOKE_ELEMENTS, SMOKE_SWEEP, SWEEP, WALL_CLOCK, Case, Problem, Skip)
+
+from .. import timing
+from ..paths import REPO as ROOT
+from .cases import (
+    CASES,
+    DATA_DIR,
+    DECODE_M,
+    DECODE_N,
+    DO_BENCH,
+    ELEMENTS,
+    PROVIDERS,
+    SMOKE_DECODE,
+    SMOKE_ELEMENTS,
+    SMOKE_SWEEP,
+    SWEEP,
+    WALL_CLOCK,
+    Case,
+    Problem,
+    Skip,
+)
 from .report import write_results
 
 # ---------------------------------------------------------------- timing one problem
+
 
 def wall_time_ms(fn: Callable[[], object], warmup: int = 0, rep: int = 2) -> float:
     """Median wall-clock time on the CPU: the smoke run's timer. Not a GPU
@@ -53,17 +70,25 @@ def _timed_call(fn: Callable, problem: Problem):
     """(zero-argument callable to time, callable returning the results to check)."""
     if not problem.wrt:
         return (lambda: fn(*problem.inputs)), (lambda: _as_tuple(fn(*problem.inputs)))
-    inputs = [t.detach().clone().requires_grad_(i in problem.wrt)
-              if isinstance(t, torch.Tensor) else t
-              for i, t in enumerate(problem.inputs)]
+    inputs = [
+        t.detach().clone().requires_grad_(i in problem.wrt)
+        if isinstance(t, torch.Tensor)
+        else t
+        for i, t in enumerate(problem.inputs)
+    ]
     wrt = [inputs[i] for i in problem.wrt]
-    outs = [o for o in _as_tuple(fn(*inputs))
-            if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+    outs = [
+        o
+        for o in _as_tuple(fn(*inputs))
+        if isinstance(o, torch.Tensor) and o.grad_fn is not None
+    ]
     grads = list(problem.grad_outputs)[: len(outs)]
+
     # The forward ran once, outside the timing: only the backward (kernel launches and
     # autograd's bookkeeping) is timed, again and again on the same graph.
-    # noqa: E731
-    backward = lambda: torch.autograd.grad(outs, wrt, grads, retain_graph=True)
+    def backward():
+        return torch.autograd.grad(outs, wrt, grads, retain_graph=True)
+
     return backward, backward
 
 
@@ -91,6 +116,7 @@ def check_tolerance(dtype: torch.dtype) -> float:
 
 # ---------------------------------------------------------------- the run
 
+
 def provenance(argv: list[str], smoke: bool, dtype: torch.dtype) -> dict:
     def version(mod):
         try:
@@ -100,8 +126,12 @@ def provenance(argv: list[str], smoke: bool, dtype: torch.dtype) -> dict:
 
     def git(*args):
         try:
-            out = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True,
-                                 text=True, timeout=10)
+            out = subprocess.run(
+                ["git", "-C", str(ROOT), *args],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
             return out.stdout.strip() if out.returncode == 0 else None
         except Exception:
             return None
@@ -119,8 +149,8 @@ def provenance(argv: list[str], smoke: bool, dtype: torch.dtype) -> dict:
         "liger_kernel": None,
         "python": platform.python_version(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python -m normbook.lab.bench" + ("" if not argv
-                                                else " " + shlex.join(argv)),
+        "command": "python -m normbook.lab.bench"
+        + ("" if not argv else " " + shlex.join(argv)),
         "git_commit": git("rev-parse", "HEAD"),
         "git_dirty": None,
     }
@@ -143,10 +173,22 @@ def provenance(argv: list[str], smoke: bool, dtype: torch.dtype) -> dict:
 
 
 def _row(case: Case, provider: str, M=None, N=None, **kw) -> dict:
-    row = {"kernel": case.kernel, "direction": case.direction, "provider": provider,
-           "regime": "", "M": M, "N": N,
-           "shape": "", "bytes": None, "ms": None, "GB/s": None, "pct_of_copy": None,
-           "status": "ok", "check": "", "note": ""}
+    row = {
+        "kernel": case.kernel,
+        "direction": case.direction,
+        "provider": provider,
+        "regime": "",
+        "M": M,
+        "N": N,
+        "shape": "",
+        "bytes": None,
+        "ms": None,
+        "GB/s": None,
+        "pct_of_copy": None,
+        "status": "ok",
+        "check": "",
+        "note": "",
+    }
     row.update(kw)
     return row
 
@@ -180,9 +222,17 @@ def _compiled(formula):
     return torch.compile(formula, dynamic=False, backend=COMPILE_BACKEND)
 
 
-def run_problem(case: Case, problem: Problem, M: int, N: int, providers: list[str],
-                timer, copy_gbps,
-                dtype, compile_ok: bool) -> list[dict]:
+def run_problem(
+    case: Case,
+    problem: Problem,
+    M: int,
+    N: int,
+    providers: list[str],
+    timer,
+    copy_gbps,
+    dtype,
+    compile_ok: bool,
+) -> list[dict]:
     rows = []
     base = dict(M=M, N=N, shape=problem.shape, bytes=problem.nbytes)
     try:
@@ -198,15 +248,28 @@ def run_problem(case: Case, problem: Problem, M: int, N: int, providers: list[st
             fn = problem.formula
         elif provider == "torch.compile":
             if not compile_ok:
-                rows.append(_row(case, provider, **base, status="skipped",
-                                 note="torch.compile is not timed in the CPU smoke "
-                                      "run"))
+                rows.append(
+                    _row(
+                        case,
+                        provider,
+                        **base,
+                        status="skipped",
+                        note="torch.compile is not timed in the CPU smoke run",
+                    )
+                )
                 continue
             fn = _compiled(problem.formula)
         elif provider == "liger":
             if isinstance(problem.liger, Skip) or problem.liger is None:
-                rows.append(_row(case, provider, **base, status="skipped",
-                                 note=str(problem.liger or "no Liger kernel")))
+                rows.append(
+                    _row(
+                        case,
+                        provider,
+                        **base,
+                        status="skipped",
+                        note=str(problem.liger or "no Liger kernel"),
+                    )
+                )
                 continue
             fn = problem.liger
         else:
@@ -220,51 +283,98 @@ def run_problem(case: Case, problem: Problem, M: int, N: int, providers: list[st
                     check = "no eager reference"
                 else:
                     err = _max_rel_err(results(), want)
-                    check = "ok" if err <= check_tolerance(dtype) else (
-                        f"MISMATCH (max error {err:.3g} of the largest value)")
+                    check = (
+                        "ok"
+                        if err <= check_tolerance(dtype)
+                        else (f"MISMATCH (max error {err:.3g} of the largest value)")
+                    )
                 ms = float(timer(timed))
         # one provider failing (e.g. Liger beyond 64 KB rows) must not stop the sweep
         except Exception as exc:
-            rows.append(_row(case, provider, **base, status="error",
-                             note=f"{type(exc).__name__}: {str(exc)[:200]}"))
+            rows.append(
+                _row(
+                    case,
+                    provider,
+                    **base,
+                    status="error",
+                    note=f"{type(exc).__name__}: {str(exc)[:200]}",
+                )
+            )
             continue
         bw = timing.gbps(problem.nbytes, ms)
-        rows.append(_row(case, provider, **base, ms=ms, **{"GB/s": bw},
-                         pct_of_copy=100.0 * bw / copy_gbps if copy_gbps else None,
-                         check=check))
+        rows.append(
+            _row(
+                case,
+                provider,
+                **base,
+                ms=ms,
+                **{"GB/s": bw},
+                pct_of_copy=100.0 * bw / copy_gbps if copy_gbps else None,
+                check=check,
+            )
+        )
     return rows
 
 
-def run(cases: list[Case], sizes: list[int], *, elements: int, dtype: torch.dtype,
-        providers: list[str],
-        timer, copy_gbps: float, compile_ok: bool, log=print, decode=(),
-        compile_sizes=None,
-        smoke=False) -> list[dict]:
+def run(
+    cases: list[Case],
+    sizes: list[int],
+    *,
+    elements: int,
+    dtype: torch.dtype,
+    providers: list[str],
+    timer,
+    copy_gbps: float,
+    compile_ok: bool,
+    log=print,
+    decode=(),
+    compile_sizes=None,
+    smoke=False,
+) -> list[dict]:
     """Every case at every shape: (elements // N, N) for N in ``sizes``, then the
     ``decode`` (M, N). ``compile_sizes``: the N at which torch.compile is timed (None:
     all); it compiles once per shape."""
     rows = []
-    shapes = [(max(1, elements // N), N,
-               "sweep") for N in sizes] + [(M, N, "decode") for M, N in decode]
+    shapes = [(max(1, elements // N), N, "sweep") for N in sizes] + [
+        (M, N, "decode") for M, N in decode
+    ]
     for case in cases:
-        for M, N, regime in (case.shapes(smoke) if case.shapes else shapes):
+        for M, N, regime in case.shapes(smoke) if case.shapes else shapes:
             try:
                 problem = case.build(M, N, dtype, DEVICE)
             # a kernel (or its backward) not written yet
             except (Skip, ImportError, AttributeError) as exc:
-                rows.append(_row(case, "all", status="skipped", note=str(exc)
-                                 or type(exc).__name__))
+                rows.append(
+                    _row(
+                        case,
+                        "all",
+                        status="skipped",
+                        note=str(exc) or type(exc).__name__,
+                    )
+                )
                 log(f"{case.name:<28} skipped: {exc}")
                 break  # the same reason holds for every size
             except Exception as exc:
-                rows.append(_row(case, "all", M=M, N=N, regime=regime, status="error",
-                                 note=f"{type(exc).__name__}: {str(exc)[:200]}"))
-                log(f"{case.name:<28} N={N:<7} error: {type(exc).__name__}: "
-                    f"{str(exc)[:120]}")
+                rows.append(
+                    _row(
+                        case,
+                        "all",
+                        M=M,
+                        N=N,
+                        regime=regime,
+                        status="error",
+                        note=f"{type(exc).__name__}: {str(exc)[:200]}",
+                    )
+                )
+                log(
+                    f"{case.name:<28} N={N:<7} error: {type(exc).__name__}: "
+                    f"{str(exc)[:120]}"
+                )
                 continue
             allowed = compile_ok and (compile_sizes is None or N in compile_sizes)
-            new = run_problem(case, problem, M, N, providers, timer, copy_gbps, dtype,
-                              allowed)
+            new = run_problem(
+                case, problem, M, N, providers, timer, copy_gbps, dtype, allowed
+            )
             for r in new:
                 r["regime"] = regime
                 if r["provider"] == "torch.compile" and compile_ok and not allowed:
@@ -381,8 +491,11 @@ def run_plan(
 def errors_of(rows: list[dict]) -> list[dict]:
     """Rows that failed: a provider that raised, or a result that does not match eager
     PyTorch."""
-    return [r for r in rows
-            if r["status"] == "error" or str(r.get("check", "")).startswith("MISMATCH")]
+    return [
+        r
+        for r in rows
+        if r["status"] == "error" or str(r.get("check", "")).startswith("MISMATCH")
+    ]
 
 
 def failing(errors: list[dict]) -> list[dict]:
@@ -392,8 +505,10 @@ def failing(errors: list[dict]) -> list[dict]:
 
 
 def format_row(r: dict) -> str:
-    head = (f"{r['kernel'] + '.' + r['direction']:<28} M={str(r['M']):<6} "
-            f"N={str(r['N']):<7} {r['provider']:<14}")
+    head = (
+        f"{r['kernel'] + '.' + r['direction']:<28} M={str(r['M']):<6} "
+        f"N={str(r['N']):<7} {r['provider']:<14}"
+    )
     if r["status"] != "ok":
         return f"{head} {r['status']}: {r['note']}"
     pct = f"{r['pct_of_copy']:6.1f}% of copy" if r["pct_of_copy"] is not None else ""
@@ -402,39 +517,63 @@ def format_row(r: dict) -> str:
 
 # ---------------------------------------------------------------- command line
 
+
 def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="python -m normbook.lab.bench",
-                                 description=__doc__.split("\n\n")[0])
-    ap.add_argument("--smoke", action="store_true",
-                    help="tiny shapes, any device, results to a temporary folder")
-    ap.add_argument("--out", type=pathlib.Path,
-                    help=f"folder for the results (default {DATA_DIR}; smoke: a temp "
-                    "folder)")
-    ap.add_argument("--cases",
-                    help="comma-separated case names, e.g. "
-                    "rms_norm.forward,fused_add_rms_norm.forward")
-    ap.add_argument("--sizes",
-                    help="comma-separated hidden sizes N (default 256 … 262144, powers "
-                    "of two)")
-    ap.add_argument("--elements", type=int,
-                    help="elements per row-sized tensor, M = elements // N (default "
-                    "2**26)")
-    ap.add_argument("--providers",
-                    help=f"comma-separated subset of {','.join(PROVIDERS)}")
-    ap.add_argument("--no-decode", action="store_true",
-                    help="skip the decode shapes (M = 1, 8, 64 rows)")
-    ap.add_argument("--compile-sizes",
-                    help="comma-separated N at which torch.compile is timed (default: "
-                    "every N)")
-    ap.add_argument("--copy-mb", type=float,
-                    help="size of the copy that measures the bandwidth, MiB (default "
-                    "256)")
-    ap.add_argument("--plan",
-                    help="a trimmed plan of kernels/normbook/lab/bench/plan.py instead of the "
-                    "sweep, e.g. gpu-day")
-    ap.add_argument("--deadline-s", type=float,
-                    help="start no new shape after this many seconds (the files say "
-                    "where it stopped)")
+    ap = argparse.ArgumentParser(
+        prog="python -m normbook.lab.bench", description=__doc__.split("\n\n")[0]
+    )
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny shapes, any device, results to a temporary folder",
+    )
+    ap.add_argument(
+        "--out",
+        type=pathlib.Path,
+        help=f"folder for the results (default {DATA_DIR}; smoke: a temp folder)",
+    )
+    ap.add_argument(
+        "--cases",
+        help="comma-separated case names, e.g. "
+        "rms_norm.forward,fused_add_rms_norm.forward",
+    )
+    ap.add_argument(
+        "--sizes",
+        help="comma-separated hidden sizes N (default 256 … 262144, powers of two)",
+    )
+    ap.add_argument(
+        "--elements",
+        type=int,
+        help="elements per row-sized tensor, M = elements // N (default 2**26)",
+    )
+    ap.add_argument(
+        "--providers", help=f"comma-separated subset of {','.join(PROVIDERS)}"
+    )
+    ap.add_argument(
+        "--no-decode",
+        action="store_true",
+        help="skip the decode shapes (M = 1, 8, 64 rows)",
+    )
+    ap.add_argument(
+        "--compile-sizes",
+        help="comma-separated N at which torch.compile is timed (default: every N)",
+    )
+    ap.add_argument(
+        "--copy-mb",
+        type=float,
+        help="size of the copy that measures the bandwidth, MiB (default 256)",
+    )
+    ap.add_argument(
+        "--plan",
+        help="a trimmed plan of kernels/normbook/lab/bench/plan.py instead of the "
+        "sweep, e.g. gpu-day",
+    )
+    ap.add_argument(
+        "--deadline-s",
+        type=float,
+        help="start no new shape after this many seconds (the files say "
+        "where it stopped)",
+    )
     return ap.parse_args(argv)
 
 
@@ -443,14 +582,18 @@ def main(argv: list[str] | None = None, log=print) -> dict:
     args = parse_args(argv)
     on_gpu = DEVICE.type == "cuda"
     if not on_gpu and not args.smoke:
-        raise SystemExit("No CUDA GPU here (kernels run in Triton's interpreter): "
-                         "there is nothing to measure. "
-                         "Use --smoke to exercise the benchmark's code path.")
+        raise SystemExit(
+            "No CUDA GPU here (kernels run in Triton's interpreter): "
+            "there is nothing to measure. "
+            "Use --smoke to exercise the benchmark's code path."
+        )
     out = args.out
     if args.smoke:
         if out is not None and out.resolve() == DATA_DIR.resolve():
-            raise SystemExit(f"--smoke never writes into {DATA_DIR}: that folder holds "
-                             "GPU results only.")
+            raise SystemExit(
+                f"--smoke never writes into {DATA_DIR}: that folder holds "
+                "GPU results only."
+            )
     elif out is None:
         out = DATA_DIR
 
@@ -462,8 +605,10 @@ def main(argv: list[str] | None = None, log=print) -> dict:
         if args.plan not in PLANS:
             raise SystemExit(f"unknown plan {args.plan!r}; choose from {sorted(PLANS)}")
         if args.sizes or args.elements or args.no_decode or args.compile_sizes:
-            raise SystemExit("--plan sets its own shapes: drop "
-                             "--sizes/--elements/--no-decode/--compile-sizes")
+            raise SystemExit(
+                "--plan sets its own shapes: drop "
+                "--sizes/--elements/--no-decode/--compile-sizes"
+            )
     wanted = args.cases.split(",") if args.cases else names
     unknown = [n for n in wanted if n not in names]
     if unknown:
@@ -485,32 +630,56 @@ def main(argv: list[str] | None = None, log=print) -> dict:
         out = pathlib.Path(tempfile.mkdtemp(prefix="bench-smoke-"))
 
     prov = provenance(argv, args.smoke, dtype)
-    prov.update({"sizes": sizes, "elements_per_tensor": elements,
-                 "providers": providers,
-                 "cases": [c.name for c in cases]})
-    log(f"{prov['gpu']} · torch {prov['torch']} · triton {prov['triton']} · "
-        f"{prov['dtype']} · {prov['timer']}")
+    prov.update(
+        {
+            "sizes": sizes,
+            "elements_per_tensor": elements,
+            "providers": providers,
+            "cases": [c.name for c in cases],
+        }
+    )
+    log(
+        f"{prov['gpu']} · torch {prov['torch']} · triton {prov['triton']} · "
+        f"{prov['dtype']} · {prov['timer']}"
+    )
     copy = timing.copy_bandwidth(copy_bytes, timer=timer)
-    log(f"device-to-device copy of {copy_bytes / 2**20:.0f} MiB: {copy['ms']:.4f} ms, "
-        f"{copy['GB/s']:.1f} GB/s")
+    log(
+        f"device-to-device copy of {copy_bytes / 2**20:.0f} MiB: {copy['ms']:.4f} ms, "
+        f"{copy['GB/s']:.1f} GB/s"
+    )
     if args.plan:
-        return _main_plan(args, argv, prov, copy, dtype, providers, timer, on_gpu, out,
-                          start, log)
+        return _main_plan(
+            args, argv, prov, copy, dtype, providers, timer, on_gpu, out, start, log
+        )
     if args.no_decode:
         decode = []
     else:
-        decode = (SMOKE_DECODE if args.smoke
-                  else [(m, n) for n in DECODE_N for m in DECODE_M])
+        decode = (
+            SMOKE_DECODE if args.smoke else [(m, n) for n in DECODE_N for m in DECODE_M]
+        )
     compile_sizes = None
     if args.compile_sizes:
         compile_sizes = {int(s) for s in args.compile_sizes.split(",")}
-    prov.update({"decode": decode, "compile_sizes": sorted(compile_sizes)
-                 if compile_sizes else "all"})
-    rows = run(cases, sizes, elements=elements, dtype=dtype, providers=providers,
-               timer=timer,
-               copy_gbps=copy["GB/s"], compile_ok=on_gpu, log=log, decode=decode,
-               compile_sizes=compile_sizes,
-               smoke=args.smoke)
+    prov.update(
+        {
+            "decode": decode,
+            "compile_sizes": sorted(compile_sizes) if compile_sizes else "all",
+        }
+    )
+    rows = run(
+        cases,
+        sizes,
+        elements=elements,
+        dtype=dtype,
+        providers=providers,
+        timer=timer,
+        copy_gbps=copy["GB/s"],
+        compile_ok=on_gpu,
+        log=log,
+        decode=decode,
+        compile_sizes=compile_sizes,
+        smoke=args.smoke,
+    )
     errors = errors_of(rows)
     json_path, csv_path = write_results(out, prov, copy, rows, errors)
     log(f"wrote {json_path} and {csv_path.name}")
@@ -519,12 +688,21 @@ def main(argv: list[str] | None = None, log=print) -> dict:
         print(f"normbook.lab.bench ERROR: {format_row(r)}", file=sys.stderr)
     bad = failing(errors)
     if errors:
-        print(f"normbook.lab.bench: {len(errors)} row(s) failed, {len(bad)} of them ours or "
-              "PyTorch's "
-              f"(see 'errors' in {json_path})", file=sys.stderr)
-    return {"provenance": prov, "copy": copy, "results": rows, "errors": errors,
-            "failed": bool(bad),
-            "json": json_path, "csv": csv_path}
+        print(
+            f"normbook.lab.bench: {len(errors)} row(s) failed, {len(bad)} of them ours or "
+            "PyTorch's "
+            f"(see 'errors' in {json_path})",
+            file=sys.stderr,
+        )
+    return {
+        "provenance": prov,
+        "copy": copy,
+        "results": rows,
+        "errors": errors,
+        "failed": bool(bad),
+        "json": json_path,
+        "csv": csv_path,
+    }
 
 
 def _main_plan(
