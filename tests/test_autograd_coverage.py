@@ -10,8 +10,8 @@ only it) requires grad; the function must then either
 * raise a clear ``TypeError`` / ``ValueError`` / ``RuntimeError`` whose message names the argument.
 
 A result without ``grad_fn`` — a silent detach, the worst kind of wrong answer in training — fails.
-So does a new public function that this file does not know how to call: add it to ``CALLS``
-(or to ``NO_TENSOR_INPUTS``). The correctness of the gradients is each kernel's own test
+So does a new public function without a spec (``normbook.lab.specs``), or, if it takes no
+tensor, missing from ``NO_TENSOR_INPUTS``. The correctness of the gradients is each kernel's own test
 (gradcheck in float64 against the reference); this file only guarantees they exist.
 
 Known gaps are marked ``xfail(strict=True)``: when the fix lands the test passes, strict mode
@@ -25,75 +25,19 @@ import torch
 
 import normbook
 from normbook import DEVICE
+from normbook.lab.specs import SPECS, Make, tiny_inputs
 
-
-def _randn(*shape):
-    return torch.randn(*shape, dtype=torch.float32).to(DEVICE)
-
-
-def _rotary(batch, seq, head_dim):
-    angle = torch.randn(batch, seq, head_dim // 2).repeat(1, 1, 2).to(DEVICE)
-    return angle.cos(), angle.sin()
-
-
-def _qk_args():
-    cos, sin = _rotary(1, 3, 8)
-    return {
-        "q": _randn(1, 3, 2, 8),
-        "k": _randn(1, 3, 1, 8),
-        "q_weight": _randn(8),
-        "k_weight": _randn(8),
-        "cos": cos,
-        "sin": sin,
-    }
-
-
-#: name -> a function returning fresh tensor arguments by name (on DEVICE), passed as keywords.
-#: Every tensor argument of the signature appears; each float one is tried (an integer argument,
-#: such as cross_entropy's target, cannot require grad).
+#: name -> a function returning fresh tensor arguments by name (on DEVICE), passed as
+#: keywords: each spec's small inputs (normbook.lab.specs). Every tensor argument of the
+#: signature appears; each float one is tried (an integer argument, such as
+#: cross_entropy's target, cannot require grad).
 CALLS = {
-    "rms_norm": lambda: {"x": _randn(3, 8), "weight": _randn(8)},
-    "layer_norm": lambda: {"x": _randn(3, 8), "weight": _randn(8), "bias": _randn(8)},
-    "fused_add_rms_norm": lambda: {
-        "x": _randn(2, 3, 8),
-        "residual": _randn(2, 3, 8),
-        "weight": _randn(8),
-    },
-    "qk_norm_rope": _qk_args,
-    "row_variance": lambda: {"x": _randn(3, 8)},
-    "softmax": lambda: {"x": _randn(3, 8)},
-    "cross_entropy": lambda: {
-        "logits": _randn(3, 8),
-        "target": torch.tensor([0, 7, 3]).to(DEVICE),
-    },
-    "attention": lambda: {
-        "q": _randn(1, 2, 4, 16),
-        "k": _randn(1, 1, 5, 16),
-        "v": _randn(1, 1, 5, 16),
-    },
-    "sample": lambda: {"logits": _randn(3, 8)},
-    "swiglu": lambda: {"gate": _randn(2, 3, 8), "up": _randn(2, 3, 8)},
-    "linear_cross_entropy": lambda: {
-        "hidden": _randn(5, 8),
-        "weight": _randn(11, 8),
-        "target": torch.tensor([0, 10, -100, 3, 7]).to(DEVICE),
-    },
-    "decode_attention": lambda: {
-        "q": _randn(2, 2, 1, 16),
-        "k_cache": _randn(2, 1, 6, 16),
-        "v_cache": _randn(2, 1, 6, 16),
-        "cache_seqlens": torch.tensor([6, 3]).to(DEVICE),
-    },
-    "speculative_sample": lambda: {
-        "draft_tokens": torch.tensor([[1, 4]]).to(DEVICE),
-        "draft_probs": torch.softmax(_randn(1, 2, 6), -1),
-        "target_probs": torch.softmax(_randn(1, 3, 6), -1),
-    },
+    s.name: (lambda s=s: tiny_inputs(s, Make(torch.float32, DEVICE))) for s in SPECS
 }
 
-#: Public functions whose output is integer-valued by nature (token indices, as torch.argmax):
-#: there is no gradient to keep, so they must return integer tensors, never float ones.
-INTEGER_OUTPUTS = {"sample", "speculative_sample"}
+#: Public functions whose output is integer-valued by nature (token indices, as
+#: torch.argmax): there is no gradient to keep, so they must return integer tensors.
+INTEGER_OUTPUTS = {s.name for s in SPECS if s.integer_outputs}
 
 #: Public callables that take no tensor: nothing to differentiate.
 NO_TENSOR_INPUTS = {"default_dtype", "device_name"}
@@ -118,8 +62,9 @@ def _public_callables():
 def test_every_public_function_is_walked():
     unknown = set(_public_callables()) - set(CALLS) - NO_TENSOR_INPUTS
     assert not unknown, (
-        f"public functions {sorted(unknown)} are not walked by this test: add "
-        "them to CALLS (or NO_TENSOR_INPUTS if they take no tensor)"
+        f"public functions {sorted(unknown)} are not walked by this test: give "
+        "them a spec in normbook.lab.specs (or list them in NO_TENSOR_INPUTS if they "
+        "take no tensor)"
     )
     for name in CALLS:
         params = inspect.signature(getattr(normbook, name)).parameters

@@ -36,7 +36,6 @@ normbook.lab.bench`` exit with status 1 (unless only Liger failed). Modules: :mo
 
 from .. import timing  # noqa: F401
 from .cases import *  # noqa: F401,F403
-from .cases import _kernel, _liger, _needs_backward, _rand, _rotate_half  # noqa: F401
 from .report import *  # noqa: F401,F403
 from .report import _slug  # noqa: F401
 from .runner import *  # noqa: F401,F403
