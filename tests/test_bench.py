@@ -318,7 +318,7 @@ def test_a_failing_row_is_reported_loudly(monkeypatch, tmp_path, capsys):
         r["provider"] for r in json.loads(result["json"].read_text())["errors"]
     ] == ["normbook"]
     monkeypatch.setattr(sys, "argv", ["normbook.lab.bench", *argv])
-    assert bench.runner.cli() == 1
+    assert bench.cli() == 1
 
 
 def test_only_liger_failing_does_not_fail_the_run():

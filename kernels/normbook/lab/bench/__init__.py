@@ -1,8 +1,7 @@
 """The benchmark behind the chapter "At the speed of light".
 
-    python -m normbook.lab.bench                 # on a CUDA GPU: the full sweep, results
-    into data/bench/ python -m normbook.lab.bench --smoke         # anywhere: the same code
-    path, tiny shapes, a temp folder
+    python -m normbook.lab.bench          # a CUDA GPU: the full sweep, into data/bench/
+    python -m normbook.lab.bench --smoke  # anywhere: the same code path, tiny shapes
 
 It measures the device-to-device copy bandwidth (the memory-bound speed of light), then
 runs every benchmark case over a sweep of hidden sizes N = 256 … 262,144 with many rows
@@ -18,9 +17,9 @@ Results go to a JSON and a CSV file named for the date and the GPU, each carryin
 provenance: GPU, compute capability, torch/triton/CUDA/Liger versions, date, the
 command, the git commit.
 
-Each case is a small function that builds its inputs and its providers. A case whose
-kernel does not exist yet (ImportError / AttributeError, or a kernel without a backward)
-is reported as skipped, so that new kernels appear in the results as they land.
+Each case is derived from a kernel's spec (:mod:`normbook.lab.specs`): its inputs, the
+formula, Liger's counterpart, the bytes it must move. A provider that cannot run here
+(Liger not installed) is reported as skipped.
 
 On a CPU there is no GPU timer. ``--smoke`` then times with the wall clock, in Triton's
 interpreter, only to exercise the code path; it writes to a temporary folder (or
@@ -28,14 +27,15 @@ interpreter, only to exercise the code path; it writes to a temporary folder (or
 reader mistakes them for GPU figures. A full run without a GPU is refused.
 
 A row that fails (a provider raising, or a result that does not match eager PyTorch) is
-printed on stderr, listed under ``"errors"`` in the JSON, and makes ``python -m
-normbook.lab.bench`` exit with status 1 (unless only Liger failed). Modules: :mod:`.cases`
-(shapes, bytes, providers), :mod:`.runner` (timing, checks, command line),
-:mod:`.report` (files, reading runs back).
+printed on stderr, listed under ``"errors"`` in the JSON, and makes the command exit
+with status 1 (unless only Liger failed). Modules: :mod:`.cases` (the cases),
+:mod:`.runner` (timing, checks, the loop), :mod:`.cli` (the command line and its
+writer), :mod:`.plan` (the GPU day), :mod:`.report` (files, reading runs back).
 """
 
 from .. import timing  # noqa: F401
 from .cases import *  # noqa: F401,F403
+from .cli import *  # noqa: F401,F403
 from .report import *  # noqa: F401,F403
 from .report import _slug  # noqa: F401
 from .runner import *  # noqa: F401,F403

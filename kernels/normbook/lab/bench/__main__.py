@@ -2,7 +2,7 @@
 
 import sys
 
-from .runner import cli
+from .cli import cli
 
 if __name__ == "__main__":
     sys.exit(cli())

@@ -92,9 +92,10 @@ class Case:
 
 
 def problem(spec, direction: str, M: int, N: int, dtype, device) -> Problem:
-    """One instance of a spec's case: its inputs at (M, N), random (never zeros: a kernel
-    on zeros is trivially right, and flatters); for a backward case, the arguments the
-    spec differentiates, and gradients shaped like our kernel's outputs."""
+    """One instance of a spec's case: its inputs at (M, N), random (never zeros: a
+    kernel on zeros is trivially right, and flatters); for a backward case, the
+    arguments the spec differentiates, and gradients shaped like our kernel's
+    outputs."""
     make = Make(dtype, device)
     args = spec.inputs(max(M, spec.min_rows.get(direction, 1)), N, make)
     names, kwargs = list(args), torch_kwargs(spec.kwargs)

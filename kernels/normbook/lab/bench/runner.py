@@ -3,46 +3,32 @@ line."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime as _dt
 import importlib
 import importlib.util
 import math
-import pathlib
 import platform
 import shlex
 import statistics
 import subprocess
-import sys
-import tempfile
 import time
 from typing import Callable
 
 import torch
 
-from normbook._runtime import DEVICE, INTERPRET, default_dtype, device_name
+from normbook._runtime import DEVICE, INTERPRET, device_name
 
 from .. import timing
 from ..paths import REPO as ROOT
 from .cases import (
     CASES,
-    DATA_DIR,
-    DECODE_M,
-    DECODE_N,
     DO_BENCH,
-    ELEMENTS,
-    PROVIDERS,
-    SMOKE_DECODE,
-    SMOKE_ELEMENTS,
-    SMOKE_SWEEP,
-    SWEEP,
     WALL_CLOCK,
     Case,
     Problem,
     Skip,
 )
-from .report import write_results
 
 # ---------------------------------------------------------------- timing one problem
 
@@ -316,6 +302,61 @@ def run_problem(
     return rows
 
 
+def _run_case(
+    case,
+    shapes,
+    rows,
+    *,
+    dtype,
+    providers,
+    timer,
+    copy_gbps,
+    log,
+    compile_ok,
+    compile_sizes=None,
+    on_rows=None,
+    deadline=None,
+):
+    """The one loop of the benchmark: ``case`` at each (M, N, regime) of ``shapes``,
+    rows appended to ``rows``. torch.compile is timed where ``compile_ok``, at the N
+    of ``compile_sizes`` (None: every N). Returns None, "skipped" (the case cannot run
+    here: one row says why), or what a ``deadline`` (``time.monotonic()``) left
+    unmeasured."""
+    for M, N, regime in shapes:
+        if deadline is not None and time.monotonic() > deadline:
+            return f"budget reached before {case.name} M={M} N={N}"
+        try:
+            problem = case.build(M, N, dtype, DEVICE)
+        except Skip as exc:  # a case that cannot run here (a package missing)
+            note = str(exc) or type(exc).__name__
+            rows.append(_row(case, "all", status="skipped", note=note))
+            log(f"{case.name:<28} skipped: {exc}")
+            return "skipped"  # the same reason holds for every size
+        except Exception as exc:
+            note = f"{type(exc).__name__}: {str(exc)[:200]}"
+            rows.append(
+                _row(case, "all", M=M, N=N, regime=regime, status="error", note=note)
+            )
+            log(f"{case.name:<28} N={N:<7} error: {note[:120]}")
+            continue
+        allowed = compile_ok and (compile_sizes is None or N in compile_sizes)
+        new = run_problem(
+            case, problem, M, N, providers, timer, copy_gbps, dtype, allowed
+        )
+        for r in new:
+            r["regime"] = regime
+            if r["provider"] == "torch.compile" and compile_ok and not allowed:
+                r["note"] = "torch.compile not timed at this N (--compile-sizes)"
+            log(format_row(r))
+        rows.extend(new)
+        del problem
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
+        if on_rows is not None:
+            on_rows(rows)
+    return None
+
+
 def run(
     cases: list[Case],
     sizes: list[int],
@@ -330,59 +371,28 @@ def run(
     decode=(),
     compile_sizes=None,
     smoke=False,
+    on_rows=None,
 ) -> list[dict]:
     """Every case at every shape: (elements // N, N) for N in ``sizes``, then the
     ``decode`` (M, N). ``compile_sizes``: the N at which torch.compile is timed (None:
     all); it compiles once per shape."""
-    rows = []
-    shapes = [(max(1, elements // N), N, "sweep") for N in sizes] + [
-        (M, N, "decode") for M, N in decode
-    ]
+    rows: list[dict] = []
+    shapes = [(max(1, elements // N), N, "sweep") for N in sizes]
+    shapes += [(M, N, "decode") for M, N in decode]
     for case in cases:
-        for M, N, regime in case.shapes(smoke) if case.shapes else shapes:
-            try:
-                problem = case.build(M, N, dtype, DEVICE)
-            except Skip as exc:  # a case that cannot run here (a package missing)
-                rows.append(
-                    _row(
-                        case,
-                        "all",
-                        status="skipped",
-                        note=str(exc) or type(exc).__name__,
-                    )
-                )
-                log(f"{case.name:<28} skipped: {exc}")
-                break  # the same reason holds for every size
-            except Exception as exc:
-                rows.append(
-                    _row(
-                        case,
-                        "all",
-                        M=M,
-                        N=N,
-                        regime=regime,
-                        status="error",
-                        note=f"{type(exc).__name__}: {str(exc)[:200]}",
-                    )
-                )
-                log(
-                    f"{case.name:<28} N={N:<7} error: {type(exc).__name__}: "
-                    f"{str(exc)[:120]}"
-                )
-                continue
-            allowed = compile_ok and (compile_sizes is None or N in compile_sizes)
-            new = run_problem(
-                case, problem, M, N, providers, timer, copy_gbps, dtype, allowed
-            )
-            for r in new:
-                r["regime"] = regime
-                if r["provider"] == "torch.compile" and compile_ok and not allowed:
-                    r["note"] = "torch.compile not timed at this N (--compile-sizes)"
-                log(format_row(r))
-            rows.extend(new)
-            del problem
-            if DEVICE.type == "cuda":
-                torch.cuda.empty_cache()
+        _run_case(
+            case,
+            case.shapes(smoke) if case.shapes else shapes,
+            rows,
+            dtype=dtype,
+            providers=providers,
+            timer=timer,
+            copy_gbps=copy_gbps,
+            log=log,
+            compile_ok=compile_ok,
+            compile_sizes=compile_sizes,
+            on_rows=on_rows,
+        )
     return rows
 
 
@@ -399,10 +409,10 @@ def run_plan(
     on_rows=None,
     deadline: float | None = None,
 ):
-    """The trimmed benchmark (:mod:`normbook.lab.bench.plan`): every entry at its shapes for
-    every provider but torch.compile, in the plan's order; then torch.compile at each
-    entry's ``compile_at`` shapes. ``on_rows(rows)`` is called after every shape (the
-    caller writes the files then: a stop keeps what was measured). ``deadline``
+    """The trimmed benchmark (:mod:`normbook.lab.bench.plan`): every entry at its
+    shapes for every provider but torch.compile, in the plan's order; then torch.compile
+    at each entry's ``compile_at`` shapes. ``on_rows(rows)`` is called after every shape
+    (the caller writes the files then: a stop keeps what was measured). ``deadline``
     (``time.monotonic()``): no new shape starts after it. Returns ``(rows, cut)``,
     ``cut`` None or what was left unmeasured.
     """
@@ -411,79 +421,51 @@ def run_plan(
     by_name = {c.name: c for c in CASES}
     rows: list[dict] = []
     skipped: set[str] = set()
-    first = [p for p in providers if p != "torch.compile"]
-    passes = [("normbook and eager", first, False)]
+    passes = [("normbook and eager", [p for p in providers if p != "torch.compile"])]
     if "torch.compile" in providers:
-        passes.append(("torch.compile", ["torch.compile"], True))
-    for pass_name, provs, second in passes:
+        passes.append(("torch.compile", ["torch.compile"]))
+    for pass_name, provs in passes:
         for entry in plan:
             case = by_name.get(entry.case)
             if case is None:
-                if not second:
+                if pass_name != "torch.compile":
                     kernel, _, direction = entry.case.partition(".")
+                    note = f"no case {entry.case!r} in the benchmark's cases"
                     rows.append(
                         _row(
                             Case(kernel, direction, None),
                             "all",
                             status="skipped",
-                            note=f"no case {entry.case!r} in normbook.lab.bench.cases.CASES",
+                            note=note,
                         )
                     )
                     log(f"{entry.case:<28} skipped: not a case")
                 continue
             if case.name in skipped:
                 continue
-            for M, N in (
-                compile_shapes(entry, smoke) if second else shapes_of(entry, smoke)
-            ):
-                if deadline is not None and time.monotonic() > deadline:
-                    cut = f"budget reached before {case.name} M={M} N={N} ({pass_name})"
-                    log(f"normbook.lab.bench: {cut}")
-                    return rows, cut
-                regime = "decode" if M <= 64 else "sweep"
-                try:
-                    problem = case.build(M, N, dtype, DEVICE)
-                except Skip as exc:
-                    rows.append(
-                        _row(
-                            case,
-                            "all",
-                            status="skipped",
-                            note=str(exc) or type(exc).__name__,
-                        )
-                    )
-                    log(f"{case.name:<28} skipped: {exc}")
-                    skipped.add(case.name)
-                    break
-                except Exception as exc:
-                    rows.append(
-                        _row(
-                            case,
-                            "all",
-                            M=M,
-                            N=N,
-                            regime=regime,
-                            status="error",
-                            note=f"{type(exc).__name__}: {str(exc)[:200]}",
-                        )
-                    )
-                    log(
-                        f"{case.name:<28} N={N:<7} error: {type(exc).__name__}: "
-                        f"{str(exc)[:120]}"
-                    )
-                    continue
-                new = run_problem(
-                    case, problem, M, N, provs, timer, copy_gbps, dtype, compile_ok
-                )
-                for r in new:
-                    r["regime"] = regime
-                    log(format_row(r))
-                rows.extend(new)
-                del problem
-                if DEVICE.type == "cuda":
-                    torch.cuda.empty_cache()
-                if on_rows is not None:
-                    on_rows(rows)
+            pick = compile_shapes if pass_name == "torch.compile" else shapes_of
+            shapes = [
+                (M, N, "decode" if M <= 64 else "sweep") for M, N in pick(entry, smoke)
+            ]
+            out = _run_case(
+                case,
+                shapes,
+                rows,
+                dtype=dtype,
+                providers=provs,
+                timer=timer,
+                copy_gbps=copy_gbps,
+                log=log,
+                compile_ok=compile_ok,
+                on_rows=on_rows,
+                deadline=deadline,
+            )
+            if out == "skipped":
+                skipped.add(case.name)
+            elif out is not None:
+                cut = f"{out} ({pass_name})"
+                log(f"normbook.lab.bench: {cut}")
+                return rows, cut
     return rows, None
 
 
@@ -512,263 +494,3 @@ def format_row(r: dict) -> str:
         return f"{head} {r['status']}: {r['note']}"
     pct = f"{r['pct_of_copy']:6.1f}% of copy" if r["pct_of_copy"] is not None else ""
     return f"{head} {r['ms']:10.4f} ms {r['GB/s']:9.1f} GB/s {pct}  check {r['check']}"
-
-
-# ---------------------------------------------------------------- command line
-
-
-def parse_args(argv):
-    ap = argparse.ArgumentParser(
-        prog="python -m normbook.lab.bench", description=__doc__.split("\n\n")[0]
-    )
-    ap.add_argument(
-        "--smoke",
-        action="store_true",
-        help="tiny shapes, any device, results to a temporary folder",
-    )
-    ap.add_argument(
-        "--out",
-        type=pathlib.Path,
-        help=f"folder for the results (default {DATA_DIR}; smoke: a temp folder)",
-    )
-    ap.add_argument(
-        "--cases",
-        help="comma-separated case names, e.g. "
-        "rms_norm.forward,fused_add_rms_norm.forward",
-    )
-    ap.add_argument(
-        "--sizes",
-        help="comma-separated hidden sizes N (default 256 … 262144, powers of two)",
-    )
-    ap.add_argument(
-        "--elements",
-        type=int,
-        help="elements per row-sized tensor, M = elements // N (default 2**26)",
-    )
-    ap.add_argument(
-        "--providers", help=f"comma-separated subset of {','.join(PROVIDERS)}"
-    )
-    ap.add_argument(
-        "--no-decode",
-        action="store_true",
-        help="skip the decode shapes (M = 1, 8, 64 rows)",
-    )
-    ap.add_argument(
-        "--compile-sizes",
-        help="comma-separated N at which torch.compile is timed (default: every N)",
-    )
-    ap.add_argument(
-        "--copy-mb",
-        type=float,
-        help="size of the copy that measures the bandwidth, MiB (default 256)",
-    )
-    ap.add_argument(
-        "--plan",
-        help="a trimmed plan of kernels/normbook/lab/bench/plan.py instead of the "
-        "sweep, e.g. gpu-day",
-    )
-    ap.add_argument(
-        "--deadline-s",
-        type=float,
-        help="start no new shape after this many seconds (the files say "
-        "where it stopped)",
-    )
-    return ap.parse_args(argv)
-
-
-def main(argv: list[str] | None = None, log=print) -> dict:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    on_gpu = DEVICE.type == "cuda"
-    if not on_gpu and not args.smoke:
-        raise SystemExit(
-            "No CUDA GPU here (kernels run in Triton's interpreter): "
-            "there is nothing to measure. "
-            "Use --smoke to exercise the benchmark's code path."
-        )
-    out = args.out
-    if args.smoke:
-        if out is not None and out.resolve() == DATA_DIR.resolve():
-            raise SystemExit(
-                f"--smoke never writes into {DATA_DIR}: that folder holds "
-                "GPU results only."
-            )
-    elif out is None:
-        out = DATA_DIR
-
-    start = time.monotonic()
-    names = [c.name for c in CASES]
-    if args.plan:
-        from .plan import PLANS
-
-        if args.plan not in PLANS:
-            raise SystemExit(f"unknown plan {args.plan!r}; choose from {sorted(PLANS)}")
-        if args.sizes or args.elements or args.no_decode or args.compile_sizes:
-            raise SystemExit(
-                "--plan sets its own shapes: drop "
-                "--sizes/--elements/--no-decode/--compile-sizes"
-            )
-    wanted = args.cases.split(",") if args.cases else names
-    unknown = [n for n in wanted if n not in names]
-    if unknown:
-        raise SystemExit(f"unknown case(s) {unknown}; choose from {names}")
-    cases = [c for c in CASES if c.name in wanted]
-    providers = args.providers.split(",") if args.providers else list(PROVIDERS)
-    bad = [p for p in providers if p not in PROVIDERS]
-    if bad:
-        raise SystemExit(f"unknown provider(s) {bad}; choose from {PROVIDERS}")
-    if args.sizes:
-        sizes = [int(s) for s in args.sizes.split(",")]
-    else:
-        sizes = SMOKE_SWEEP if args.smoke else SWEEP
-    elements = args.elements or (SMOKE_ELEMENTS if args.smoke else ELEMENTS)
-    dtype = default_dtype()
-    timer = timing.time_ms if on_gpu else wall_time_ms
-    copy_bytes = int((args.copy_mb or (1 if args.smoke else 256)) * 2**20)
-    if out is None:  # a smoke run's own folder, once the arguments are known good
-        out = pathlib.Path(tempfile.mkdtemp(prefix="bench-smoke-"))
-
-    prov = provenance(argv, args.smoke, dtype)
-    prov.update(
-        {
-            "sizes": sizes,
-            "elements_per_tensor": elements,
-            "providers": providers,
-            "cases": [c.name for c in cases],
-        }
-    )
-    log(
-        f"{prov['gpu']} · torch {prov['torch']} · triton {prov['triton']} · "
-        f"{prov['dtype']} · {prov['timer']}"
-    )
-    copy = timing.copy_bandwidth(copy_bytes, timer=timer)
-    log(
-        f"device-to-device copy of {copy_bytes / 2**20:.0f} MiB: {copy['ms']:.4f} ms, "
-        f"{copy['GB/s']:.1f} GB/s"
-    )
-    if args.plan:
-        return _main_plan(
-            args, argv, prov, copy, dtype, providers, timer, on_gpu, out, start, log
-        )
-    if args.no_decode:
-        decode = []
-    else:
-        decode = (
-            SMOKE_DECODE if args.smoke else [(m, n) for n in DECODE_N for m in DECODE_M]
-        )
-    compile_sizes = None
-    if args.compile_sizes:
-        compile_sizes = {int(s) for s in args.compile_sizes.split(",")}
-    prov.update(
-        {
-            "decode": decode,
-            "compile_sizes": sorted(compile_sizes) if compile_sizes else "all",
-        }
-    )
-    rows = run(
-        cases,
-        sizes,
-        elements=elements,
-        dtype=dtype,
-        providers=providers,
-        timer=timer,
-        copy_gbps=copy["GB/s"],
-        compile_ok=on_gpu,
-        log=log,
-        decode=decode,
-        compile_sizes=compile_sizes,
-        smoke=args.smoke,
-    )
-    errors = errors_of(rows)
-    json_path, csv_path = write_results(out, prov, copy, rows, errors)
-    log(f"wrote {json_path} and {csv_path.name}")
-    # Loudly: every failed row on stderr, and in the JSON's "errors" section.
-    for r in errors:
-        print(f"normbook.lab.bench ERROR: {format_row(r)}", file=sys.stderr)
-    bad = failing(errors)
-    if errors:
-        print(
-            f"normbook.lab.bench: {len(errors)} row(s) failed, {len(bad)} of them ours or "
-            "PyTorch's "
-            f"(see 'errors' in {json_path})",
-            file=sys.stderr,
-        )
-    return {
-        "provenance": prov,
-        "copy": copy,
-        "results": rows,
-        "errors": errors,
-        "failed": bool(bad),
-        "json": json_path,
-        "csv": csv_path,
-    }
-
-
-def _main_plan(
-    args, argv, prov, copy, dtype, providers, timer, on_gpu, out, start, log
-) -> dict:
-    """``--plan``: the trimmed benchmark, its files rewritten after every shape."""
-    from .plan import PLANS, compile_shapes, shapes_of
-
-    plan = [
-        e for e in PLANS[args.plan] if not args.cases or e.case in args.cases.split(",")
-    ]
-    prov.update(
-        {
-            "plan": args.plan,
-            "cases": [e.case for e in plan],
-            "shapes": {
-                e.case: [list(s) for s in shapes_of(e, args.smoke)] for e in plan
-            },
-            "compile_shapes": {
-                e.case: [list(s) for s in compile_shapes(e, args.smoke)] for e in plan
-            },
-        }
-    )
-    for key in ("sizes", "elements_per_tensor"):
-        prov.pop(key, None)
-    deadline = None if args.deadline_s is None else start + args.deadline_s
-
-    def save(rows, complete=False, cut=None):
-        return write_results(
-            out, prov, copy, rows, errors_of(rows), complete=complete, cut=cut
-        )
-
-    json_path, _ = save(
-        []
-    )  # the copy bandwidth is kept even if nothing else is measured
-    log(f"writing {json_path} as rows are measured")
-    rows, cut = run_plan(
-        plan,
-        smoke=args.smoke,
-        dtype=dtype,
-        providers=providers,
-        timer=timer,
-        copy_gbps=copy["GB/s"],
-        compile_ok=on_gpu,
-        log=log,
-        on_rows=save,
-        deadline=deadline,
-    )
-    errors = errors_of(rows)
-    json_path, csv_path = save(rows, complete=cut is None, cut=cut)
-    log(f"wrote {json_path} and {csv_path.name}" + (f" (cut: {cut})" if cut else ""))
-    for r in errors:
-        print(f"normbook.lab.bench ERROR: {format_row(r)}", file=sys.stderr)
-    bad = failing(errors)
-    return {
-        "provenance": prov,
-        "copy": copy,
-        "results": rows,
-        "errors": errors,
-        "failed": bool(bad),
-        "cut": cut,
-        "json": json_path,
-        "csv": csv_path,
-    }
-
-
-def cli() -> int:
-    """``python -m normbook.lab.bench``: exit status 1 when a row of ours or PyTorch's
-    failed."""
-    return 1 if main()["failed"] else 0
