@@ -25,15 +25,13 @@ import torch
 
 import normbook
 from normbook import DEVICE
-from normbook.lab.specs import SPECS, Make, tiny_inputs
+from normbook.lab.specs import SPECS, autograd_calls
 
 #: name -> a function returning fresh tensor arguments by name (on DEVICE), passed as
 #: keywords: each spec's small inputs (normbook.lab.specs). Every tensor argument of the
 #: signature appears; each float one is tried (an integer argument, such as
 #: cross_entropy's target, cannot require grad).
-CALLS = {
-    s.name: (lambda s=s: tiny_inputs(s, Make(torch.float32, DEVICE))) for s in SPECS
-}
+CALLS = autograd_calls(DEVICE)
 
 #: Public functions whose output is integer-valued by nature (token indices, as
 #: torch.argmax): there is no gradient to keep, so they must return integer tensors.

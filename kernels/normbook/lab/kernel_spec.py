@@ -68,6 +68,12 @@ class KernelSpec:
     #: tiny inputs for the autograd coverage test (default: inputs(3, 8))
     tiny: Callable | None = None
     integer_outputs: bool = False  # token indices: no gradient by nature
+    #: the op module (normbook/<module>.py, tests/test_<module>.py), if not the name
+    module: str = ""
+
+    @property
+    def module_name(self) -> str:
+        return self.module or self.name
 
     def fn(self):
         import normbook

@@ -470,6 +470,7 @@ SPECS = (
             ),
         ),
         integer_outputs=True,
+        module="sampling",
     ),
     KernelSpec(
         "qk_norm_rope",
@@ -537,6 +538,7 @@ SPECS = (
         _row_variance_inputs,
         (),
         base=False,
+        module="row_stats",
         variants=tuple(
             Variant(f"{method}{acc}", {"method": method, **kw}, dtypes)
             for method in ("two_pass", "one_pass", "welford")
@@ -552,6 +554,7 @@ SPECS = (
         None,
         inspect=False,
         integer_outputs=True,
+        module="speculative",
         tiny=lambda make: {
             "draft_tokens": make.tokens([[1, 4]]),
             "draft_probs": make.probs(1, 2, 6),
@@ -628,6 +631,18 @@ def gpu_day_plan() -> list[Entry]:
     ]
 
 
+def autograd_calls(device) -> dict:
+    """{name: a function returning fresh tiny inputs on ``device``} for the autograd
+    coverage test: every spec, its tensor arguments by name."""
+    from .kernel_spec import Make
+
+    def inputs(spec):
+        return lambda: tiny_inputs(spec, Make(__import__("torch").float32, device))
+
+    return {s.name: inputs(s) for s in SPECS}
+
+
 def test_files() -> list[str]:
     """The kernel test files in order of value: each spec's, then its backward's."""
-    return [f"test_{s.name}{b}.py" for s in SPECS for b in ("", "_backward")]
+    files = [f"test_{s.module_name}{b}.py" for s in SPECS for b in ("", "_backward")]
+    return list(dict.fromkeys(files))

@@ -148,7 +148,14 @@ def _case(spec, direction: str) -> Case:
     )
 
 
-CASES = [_case(s, d) for s in SPECS for d in s.bench]
+def cases_of() -> list[Case]:
+    """A case per benchmarked direction of every spec, in the specs' order."""
+    from .. import specs
+
+    return [_case(s, d) for s in specs.SPECS for d in s.bench]
+
+
+CASES = cases_of()
 
 
 def measure_linear_cross_entropy(timer, device, dtype=torch.bfloat16, shape=LCE_SHAPE):
