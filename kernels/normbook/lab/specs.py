@@ -485,13 +485,13 @@ SPECS = (
     ),
     KernelSpec(
         "swiglu",
-        _swiglu_inputs,
-        ("gate", "up"),
-        {},
-        torch_swiglu,
-        _liger_swiglu,
-        _swiglu_bytes,
-        _FB,
+        _swiglu_inputs,  # the call's keyword arguments at (M, N)
+        ("gate", "up"),  # what the backward differentiates
+        {},  # fixed keywords of the call
+        torch_swiglu,  # the PyTorch formula, as Hugging Face writes it
+        _liger_swiglu,  # Liger-Kernel's counterpart, or why there is none
+        _swiglu_bytes,  # the bytes it must move: GB/s against the copy
+        _FB,  # benchmarked forward and backward, held to the chapter's targets
         plan=Plan(((8192, 12288), (1, 12288), (64, 12288))),  # Qwen3-8B's MLP width
     ),
     KernelSpec(
