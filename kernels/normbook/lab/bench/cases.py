@@ -14,7 +14,7 @@ import importlib.util
 import inspect
 import os
 import pathlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -85,6 +85,10 @@ class Problem:
     grad_outputs: tuple = ()
     # how the row-sized tensors are laid out, for the record
     shape: str = ""
+    # the call's arguments beyond its tensors that change the work (sampling's
+    # temperature, attention's mask), for the record: the inspector's prediction pairs
+    # with a row only where its own call passes the same (normbook.lab.pairing)
+    params: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -424,6 +428,7 @@ def build_attention(M, N, dtype, device):
         Skip("Liger has no attention kernel"),
         shape=f"q ({batch}, {hq}, {seq}, {HEAD_DIM}), k, v ({batch}, {hk}, "
         f"{seq}, {HEAD_DIM})",
+        params={"causal": "top_left"},
     )
 
 
@@ -452,6 +457,7 @@ def build_attention_backward(M, N, dtype, device):
         wrt=(0, 1, 2),
         grad_outputs=(dout,),
         shape=f"{problem.shape}; backward {flop:.4g} flop (4 products)",
+        params=problem.params,
     )
 
 
@@ -469,6 +475,7 @@ def build_sample(M, N, dtype, device):
         lambda x: x.argmax(-1),
         Skip("Liger has no sampling kernel"),
         shape=f"logits ({M}, {N})",
+        params={"temperature": 0.0},
     )
 
 
