@@ -6,11 +6,11 @@ book's packages (nbformat, nbclient, plotly, playwright, jupyter), as the GPU ma
 The dry run's budgets are cut so that the benchmark is stopped by its budget: the rows it had
 measured and a summary.json naming the cut step must still be there.
 
-The faults a rehearsal found on the GPU machine's packages are faked below, each on a tiny
-budget: a tests step killed mid-test still has its counts; a test past its limit or the step's
-deadline is cut, and pytest then ends by itself; a chapter stopped by the budget is cut, not
-failed; an unreadable inspector JSON is the step's error, not the run's end; inspector units
-past their deadline are cut, the rest kept; a measured row pairs only with a prediction of the
+What a run on the GPU machine meets is faked below, each on a tiny budget: a tests step
+killed mid-test still has its counts; a test past its limit or the step's deadline is cut,
+and pytest then ends by itself; a chapter stopped by the budget is cut, not failed; an
+unreadable inspector JSON is the step's error, not the run's end; inspector units past
+their deadline are cut, the rest kept; a measured row pairs only with a prediction of the
 same work.
 """
 
@@ -327,11 +327,10 @@ def test_the_gpu_day_plan_measures_every_benchmark_case():
     assert set(pairing.NOT_INSPECTED) <= {name.split(".")[0] for name in planned}
 
 
-# ---------------------------------------------------------------- the GPU day's faults
-# A rehearsal as the GPU machine runs it found them; each test below fakes one, on tiny
-# budgets: a tests step killed mid-test, a chapter stopped by the budget, an inspector
-# JSON cut mid-write, an inspector call past its deadline, and measured work paired
-# with a prediction of other work.
+# ---------------------------------------------------------------- past the budget
+# What the GPU machine's run meets, faked on tiny budgets: a tests step killed mid-test,
+# a chapter stopped by the budget, an inspector JSON cut mid-write, an inspector call
+# past its deadline, and two builders that make different work of the same (M, N).
 
 FAKE_TESTS = """
 import os, pathlib, time, pytest
@@ -790,6 +789,7 @@ def test_a_measured_row_pairs_only_with_the_inspectors_same_work(monkeypatch):
         kernel, direction = entry.case.split(".")
         if kernel in pairing.NOT_INSPECTED:
             continue
+        assert kernel in RECORDED_CALLS, f"{kernel}: a plan kernel to record too"
         case = by_name[entry.case]
         for M, N in dict.fromkeys(entry.shapes + entry.smoke):
             problem = case.build(M, N, torch.bfloat16, torch.device("meta"))
@@ -816,10 +816,11 @@ def test_a_measured_row_pairs_only_with_the_inspectors_same_work(monkeypatch):
 
 
 def test_measured_vs_predicted_never_pairs_other_work():
-    """The rehearsal's pairs of different work: decode_attention measured over 32,768
-    cached tokens (the inspector's decode_attention at that (M, N) is 256 heads over
-    4,096), and greedy sampling (the inspector's samples with temperature, top-k and
-    top-p). With inspector rows at exactly those (M, N), they stay unpaired."""
+    """Pairs of different work that matching (M, N) alone would make: decode_attention
+    measured over 32,768 cached tokens (the inspector's decode_attention at that (M, N)
+    is 256 heads over 4,096), and greedy sampling (the inspector's samples with
+    temperature, top-k and top-p). With inspector rows at exactly those (M, N), they
+    stay unpaired."""
     pairing = _gpu_check()._load_by_path("pairing_under_test", _gpu_check().PAIRING)
     V = 151_936
     bench = _bench_file(
