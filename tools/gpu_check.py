@@ -6,14 +6,20 @@ wall-clock budget with a hard stop (its process group is killed), in order of va
 0. wheels    install the wheels carried in .whl/ (`make gpu-wheels`) into /tmp/site, no index;
 1. bench     `python -m normbook.lab.bench --plan gpu-day`: copy bandwidth, then the headline shapes of
              every kernel against eager PyTorch, then torch.compile (kernels/normbook/lab/bench/plan.py);
-2. tests     the kernel tests on the GPU, in parallel (pytest-xdist), not the book's or browser's;
-3. inspect   `python -m normbook.lab.inspector` for this GPU's architecture at the measured shapes, and
-             the table of measured against predicted fractions of the copy bandwidth;
+2. tests     the kernel tests on the GPU, in parallel (pytest-xdist where installed), not the
+             book's or browser's, each under a per-test limit (tools/pytest_budget.py);
+3. inspect   `python -m normbook.lab.pairing`: the inspector, for this GPU's architecture, on
+             exactly the work the benchmark measured, cheap calls first, and the table of
+             measured against predicted fractions of the copy bandwidth (a measured row is
+             paired only with a prediction of the same work; the others are listed unpaired);
 4. chapters  every chapter executed on the GPU, if the wheels (nbclient, ipykernel, ...) are
              there, in whatever is left of the total budget.
 
 Results are flushed as they are measured: the benchmark rewrites its JSON/CSV after every shape,
-and summary.json is rewritten when a step starts and when it ends (naming any step that was cut).
+the tests append a line per test to their report, each chapter's result is written as it ends,
+and summary.json is rewritten when a step starts and when it ends. Every step's record has a
+"status": "ok", "failed", "cut" (stopped by its budget: what it had done stands, and "cut" says
+what was left) or "skipped"; a result file that cannot be read is an "error" of its step.
 Everything goes to one folder of at most 8 files, no subfolders: `$OUT` when it is set (the
 device tool returns that folder), else `--out`, else `_build/gpu-check/<date>/`, which is then
 recorded into data/bench/ (see `--record`). The logs of every step are bundled in logs.tar.gz.
@@ -58,7 +64,10 @@ TOTAL_S = 480
 CHAPTERS_MIN_S = 30
 #: Seconds before its hard stop at which a step is asked to stop starting new work (the
 #: benchmark's --deadline-s, the tests' budget plugin), so that it writes its files itself.
-SOFT_MARGIN_S = {"bench": 20, "tests": 15, "inspect": 15, "chapters": 10}
+SOFT_MARGIN_S = {"bench": 20, "tests": 20, "inspect": 15, "chapters": 10}
+#: The most seconds one kernel test may take on the GPU (tools/pytest_budget.py stops it
+#: there, as cut): a test that long is stuck, and must not take the others' time.
+TEST_LIMIT_S = 60
 
 #: Test files that are not kernel tests: they build the book, drive a browser or read prose.
 NOT_KERNEL_TESTS = {
@@ -73,6 +82,9 @@ NOT_KERNEL_TESTS = {
     "test_inspect.py",
     "test_gpu_check.py",
     "test_bench.py",
+    # pytest-xdist's scheduling on this machine, not the GPU's behaviour (and it fails
+    # under pytest >= 9.2, whatever the GPU machine's pytest is)
+    "test_workers.py",
 }
 #: The most valuable first (pytest-xdist hands out tests roughly in this order).
 FIRST_TESTS = [
@@ -92,9 +104,7 @@ FIRST_TESTS = [
 DRY_TESTS = ["tests/test_validate.py"]
 #: The dry run's inspector: one kernel's variants (the first compile takes seconds each here).
 DRY_INSPECT_CALLS = ("rms_norm",)
-#: Benchmarked but not a call of the inspector: linear_cross_entropy's own launches are
-#: cross_entropy's kernels between cuBLAS products (kernels/normbook/lab/inspector.py's _calls).
-NOT_INSPECTED = {"linear_cross_entropy"}
+PAIRING = ROOT / "kernels" / "normbook" / "lab" / "pairing.py"
 #: What executing the chapters needs beyond the GPU machine's own packages.
 CHAPTER_MODULES = ("nbformat", "nbclient", "ipykernel", "plotly")
 MAX_OUT_FILES = 8
@@ -139,10 +149,29 @@ def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def _write_json(path: pathlib.Path, data) -> None:
+def _write_text(path: pathlib.Path, text: str) -> None:
+    """Replace ``path`` whole (written beside, then renamed): a stop mid-write leaves the
+    previous file, or none, never half of one."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _write_json(path: pathlib.Path, data) -> None:
+    _write_text(path, json.dumps(data, indent=1) + "\n")
+
+
+def _read_json(path: pathlib.Path | None):
+    """(data, None), or (None, why) where the file is missing, truncated or not JSON: a
+    step's result that cannot be read is that step's error, never the run's end."""
+    if path is None:
+        return None, "no file"
+    try:
+        return json.loads(path.read_text()), None
+    except FileNotFoundError:
+        return None, f"{path.name}: missing"
+    except (OSError, ValueError) as exc:
+        return None, f"{path.name}: unreadable ({type(exc).__name__}: {str(exc)[:200]})"
 
 
 def _git(*args) -> str | None:
@@ -231,6 +260,7 @@ def run_step(
         "seconds": seconds,
         "budget_s": budget_s,
         "cut": "stopped by its budget (process group killed)" if cut else None,
+        "killed": cut,
         "log": log_path.name,
     }
 
@@ -258,7 +288,35 @@ def _skipped(name: str, reason: str, budget_s: float = 0) -> dict:
         "budget_s": budget_s,
         "cut": None,
         "skipped": reason,
+        "status": "skipped",
     }
+
+
+def settle(record: dict, stopped_rc: tuple = ()) -> dict:
+    """Set the step's "status" from what it reported, and "why" where it is not "ok":
+    "skipped"; "failed" (a failure the step reported, in "failed", or an exit status
+    other than 0, or an "error": a result file that cannot be read); "cut" (stopped by
+    its budget, said in "cut": what it did before stands); else "ok". A failure outranks
+    a cut. An exit status is no failure when the step was killed by its hard stop, or
+    exited with one of ``stopped_rc`` (how it says that it stopped at its own deadline);
+    an error is none when the step was cut (killed before it wrote). Called again as
+    the step's results are read, it decides afresh."""
+    rc = record.get("returncode")
+    exit_failed = (
+        rc not in (0, None) and not record.get("killed") and rc not in stopped_rc
+    )
+    error = record.get("error") if not record.get("cut") else None
+    if record.get("skipped"):
+        status, why = "skipped", record["skipped"]
+    elif record.get("failed") or exit_failed or error:
+        status = "failed"
+        why = record.get("failed") or error or f"exit status {rc}"
+    elif record.get("cut"):
+        status, why = "cut", record["cut"]
+    else:
+        status, why = "ok", None
+    record.update(status=status, why=why)
+    return record
 
 
 # ---------------------------------------------------------------- the run
@@ -336,11 +394,20 @@ class Run:
             )
         self.summary["running"] = None
         self.summary["steps"].append(record)
-        if record.get("cut"):
-            self.summary["cut_steps"].append(name)
+        self.settle(record)
         self.bundle_logs()
-        self.save()
         return record
+
+    def settle(self, record: dict, stopped_rc: tuple = ()) -> None:
+        """The step's status (:func:`settle`), again once its results are read; the
+        summary's lists of cut and failed steps follow, and it is saved."""
+        settle(record, stopped_rc)
+        steps = self.summary["steps"]
+        self.summary["cut_steps"] = [s["step"] for s in steps if s.get("cut")]
+        self.summary["failed_steps"] = [
+            s["step"] for s in steps if s.get("status") == "failed"
+        ]
+        self.save()
 
     def left(self) -> float:
         return self.total_s - (time.monotonic() - self.t0)
@@ -435,9 +502,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--execute-chapters", metavar="DIR", help=argparse.SUPPRESS)
     ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+    ap.add_argument("--notebooks", help=argparse.SUPPRESS)  # instead of _toc.yml's
     args = ap.parse_args(argv)
     if args.execute_chapters:
-        return execute_chapters(pathlib.Path(args.execute_chapters), args.deadline)
+        return execute_chapters(
+            pathlib.Path(args.execute_chapters),
+            args.deadline,
+            args.notebooks.split(",") if args.notebooks else None,
+        )
     if args.record:
         return record(pathlib.Path(args.record))
     if args.download_wheels:
@@ -476,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
         "budgets_s": {**budgets, "total": total},
         "steps": [],
         "cut_steps": [],
+        "failed_steps": [],
         "running": None,
         "complete": False,
         "files": [],
@@ -487,19 +560,14 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
-    _wheels(run)
-    bench = _bench(run)
-    _tests(run)
-    _inspect(run, bench, device)
-    _chapters(run)
+    _guarded(run, "wheels", _wheels, run)
+    bench = _guarded(run, "bench", _bench, run) or {}
+    _guarded(run, "tests", _tests, run)
+    _guarded(run, "inspect", _inspect, run, bench, device)
+    _guarded(run, "chapters", _chapters, run)
 
     # A step stopped by its budget is reported as cut, not as failed: its results so far stand.
-    failed = [
-        s["step"]
-        for s in run.summary["steps"]
-        if s.get("returncode") not in (0, None) and not s.get("cut")
-    ]
-    run.summary["failed_steps"] = failed
+    failed = run.summary["failed_steps"]
     run.summary["complete"] = True
     run.summary["seconds"] = round(time.monotonic() - run.t0, 1)
     run.summary["files"] = sorted(p.name for p in out.iterdir())
@@ -524,6 +592,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # ---------------------------------------------------------------- the steps
+
+
+def _guarded(run: Run, name: str, step, *args):
+    """``step(*args)``; a fault of gpu_check's own in running step ``name`` or reading its
+    results is that step's error, and the run goes on to the next step."""
+    try:
+        return step(*args)
+    except Exception as exc:
+        import traceback
+
+        traceback.print_exc()
+        steps = run.summary["steps"]
+        if not steps or steps[-1]["step"] != name:
+            steps.append(_skipped(name, "not run: gpu_check failed before it started"))
+            steps[-1]["skipped"] = None
+        steps[-1]["error"] = f"gpu_check: {type(exc).__name__}: {str(exc)[:300]}"
+        run.summary["running"] = None
+        run.settle(steps[-1])
+        return None
 
 
 def _wheels(run: Run) -> None:
@@ -582,62 +669,129 @@ def _bench(run: Run) -> dict:
         cmd.append("--smoke")
     record = run.step("bench", cmd, budget)
     path = run.bench_json()
-    data = {}
-    if path is not None:
-        try:
-            data = json.loads(path.read_text())
-        except ValueError:
-            data = {}
-    if data and record.get("cut") and not data.get("cut"):
+    data, error = _read_json(path)
+    if error:
+        record["error"] = f"the benchmark's JSON: {error}"
+        run.settle(record)
+        return {}
+    if record.get("cut") and not data.get("cut"):
         # Killed between two shapes: the file holds every row so far; say why it stops there.
         data.update(complete=False, cut=record["cut"])
         _write_json(path, data)
-    if data:
-        record.update(
-            rows=len(data.get("results", [])),
-            file=path.name,
-            complete=data.get("complete", True),
-        )
-        if data.get("cut") and not record.get("cut"):
-            record["cut"] = f"stopped by its budget: {data['cut']}"
-            run.summary["cut_steps"].append("bench")
-        run.summary["copy_GB/s"] = data.get("copy", {}).get("GB/s")
-        run.save()
+    record.update(
+        rows=len(data.get("results", [])),
+        file=path.name,
+        complete=data.get("complete", True),
+    )
+    if data.get("cut") and not record.get("cut"):
+        record["cut"] = f"stopped by its budget: {data['cut']}"
+    run.summary["copy_GB/s"] = data.get("copy", {}).get("GB/s")
+    run.settle(record)
+    data["file"] = path.name
     return data
 
 
 def _tests(run: Run) -> None:
     budget = run.budgets["tests"]
     files = DRY_TESTS if run.dry_run else kernel_test_files()
-    xml = run.logs / "tests.xml"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-p",
-        "pytest_budget",
-        "-rfE",
-        f"--junitxml={xml}",
-    ]
+    xml, report = run.logs / "tests.xml", run.logs / "tests.jsonl"
+    workers = None
     if importlib.util.find_spec("xdist") is not None:
-        cmd += ["-n", str(2 if run.dry_run else min(12, os.cpu_count() or 1))]
-    run.env["GPU_CHECK_DEADLINE"] = str(time.time() + _soft(budget, "tests"))
-    env_path = run.env["PYTHONPATH"]
-    run.env["PYTHONPATH"] = os.pathsep.join([str(TOOLS), env_path])  # the budget plugin
-    record = run.step("tests", cmd + files, budget)
-    run.env["PYTHONPATH"] = env_path
-    run.env.pop("GPU_CHECK_DEADLINE", None)
-    counts = _junit_counts(xml)
+        workers = 2 if run.dry_run else min(12, os.cpu_count() or 1)
+    env = run.env
+    run.env = budget_env(
+        env, time.time() + _soft(budget, "tests"), TEST_LIMIT_S, report
+    )
+    try:
+        record = run.step("tests", pytest_command(files, xml, workers), budget)
+    finally:
+        run.env = env
+    counts = count_tests(report, xml)
+    stopped_rc = ()
     if counts:
         record["tests"] = counts
-        run.save()
+        if counts["failures"] or counts["errors"]:
+            record["failed"] = (
+                f"{counts['failures']} tests failed, {counts['errors']} errors"
+            )
+        left = counts["cut"] + counts.get("not_run", 0)
+        if left and not record.get("cut"):
+            record["cut"] = (
+                f"stopped by its budget: {counts['cut']} tests cut, "
+                f"{counts.get('not_run', 0)} not run"
+            )
+        if counts.get("past_deadline"):
+            stopped_rc = (2,)  # pytest's "interrupted": the plugin stopped the session
+    run.settle(record, stopped_rc)
 
 
-def _junit_counts(xml: pathlib.Path) -> dict | None:
-    if not xml.exists():
+def pytest_command(files: list[str], xml: pathlib.Path, workers: int | None) -> list:
+    """The tests step's pytest: quiet, no cache, tools/pytest_budget.py loaded, failures
+    and errors listed, JUnit XML to ``xml``; ``workers`` pytest-xdist workers (None: no
+    xdist)."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    cmd += ["-p", "pytest_budget", "-rfE", f"--junitxml={xml}"]
+    if workers:
+        cmd += ["-n", str(workers)]
+    return cmd + list(files)
+
+
+def budget_env(
+    env: dict, deadline: float, limit_s: float, report: pathlib.Path
+) -> dict:
+    """``env`` with what tools/pytest_budget.py reads, and tools/ on PYTHONPATH (the
+    plugin's home)."""
+    return {
+        **env,
+        "GPU_CHECK_DEADLINE": str(deadline),
+        "GPU_CHECK_TEST_LIMIT_S": str(limit_s),
+        "GPU_CHECK_TESTS_JSONL": str(report),
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(TOOLS), env.get("PYTHONPATH")])
+        ),
+    }
+
+
+def count_tests(report: pathlib.Path, xml: pathlib.Path | None = None) -> dict | None:
+    """The tests step's counts: from the report tools/pytest_budget.py writes as it goes
+    (whatever a kill left of it), else from pytest's JUnit XML (written at the end), else
+    None. ``cut``: tests stopped by the per-test limit or the deadline (reported skipped,
+    they did not fail); ``not_run``: collected, never reported; ``complete``: pytest
+    ended by itself."""
+    if report.exists():
+        lines = []
+        for text in report.read_text(errors="replace").splitlines():
+            try:
+                lines.append(json.loads(text))
+            except ValueError:  # the line being written when the step was killed
+                continue
+        collected = [x["tests"] for x in lines if x.get("event") == "collected"]
+        finished = [x for x in lines if x.get("event") == "finished"]
+        results = [x for x in lines if "test" in x]
+        counts = {
+            "tests": len({x["test"] for x in results}),
+            "passed": sum(
+                x["when"] == "call" and x["outcome"] == "passed" for x in results
+            ),
+            "failures": sum(
+                x["when"] == "call" and x["outcome"] == "failed" for x in results
+            ),
+            "errors": sum(
+                x["when"] != "call" and x["outcome"] == "failed" for x in results
+            ),
+            "skipped": sum(x["outcome"] == "skipped" and not x["cut"] for x in results),
+            "cut": sum(bool(x["cut"]) for x in results),
+            "complete": bool(finished),
+            "source": report.name,
+        }
+        if collected:
+            counts["collected"] = collected[-1]
+            counts["not_run"] = max(0, collected[-1] - counts["tests"])
+        if finished:
+            counts["exitstatus"] = finished[-1].get("exitstatus")
+            counts["past_deadline"] = bool(finished[-1].get("past_deadline"))
+        return counts
+    if xml is None or not xml.exists():
         return None
     import xml.etree.ElementTree as ET
 
@@ -646,80 +800,100 @@ def _junit_counts(xml: pathlib.Path) -> dict | None:
     except ET.ParseError:
         return None
     suites = [root] if root.tag == "testsuite" else list(root)
-    out = {
+    counts = {
         k: sum(int(s.get(k, 0)) for s in suites)
         for k in ("tests", "failures", "errors", "skipped")
     }
-    out["budget_skipped"] = sum(
+    counts["cut"] = sum(
         1
         for case in root.iter("testcase")
         for sk in case.findall("skipped")
         if "gpu-check budget" in (sk.get("message") or "")
     )
-    return out
+    counts["skipped"] -= counts["cut"]
+    counts.update(complete=True, source=xml.name)
+    return counts
 
 
 def _inspect(run: Run, bench: dict, device: dict) -> None:
     budget = run.budgets["inspect"]
-    plan = _load_by_path(
-        "normbook_bench_plan_for_gpu_check",
-        ROOT / "kernels" / "normbook" / "lab" / "bench" / "plan.py",
-    )
-    per_call: dict[str, list] = {}
-    for entry in plan.PLANS["gpu-day"]:
-        kernel = entry.case.split(".")[0]
-        if (run.dry_run and kernel not in DRY_INSPECT_CALLS) or kernel in NOT_INSPECTED:
-            continue
-        have = per_call.setdefault(kernel, [])
-        have += [s for s in plan.shapes_of(entry, run.dry_run) if s not in have]
-    spec = ";".join(
-        f"{call}=" + ",".join(f"plan:{m}:{n}" for m, n in sh)
-        for call, sh in per_call.items()
-    )
+    pairing = _load_by_path("normbook_pairing_for_gpu_check", PAIRING)
+    calls = DRY_INSPECT_CALLS if run.dry_run else None
+    todo = pairing.units(bench, calls)
+    if not todo:
+        run.step(
+            "inspect",
+            None,
+            budget,
+            skip="no measured row pairs with an inspector call"
+            if bench.get("results")
+            else "the benchmark measured nothing",
+        )
+        _compare(run, pairing, bench, {})
+        return
     if run.dry_run:
         arch = 90
     else:
         arch = inspector_arch(tuple(int(x) for x in device["capability"].split(".")))
     target = run.out / f"inspect_sm{arch}.json"
-    prov = bench.get("provenance", {})
-    dtype = prov.get("dtype") or (
-        "bfloat16" if run.dry_run or arch >= 80 else "float16"
-    )
-    dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype)
+    # The exact work the benchmark measured: its own JSON, rows and parameters.
     cmd = [
         sys.executable,
         "-m",
-        "normbook.lab.inspector",
+        "normbook.lab.pairing",
+        str(run.out / bench["file"]),
         "--arch",
         str(arch),
-        "--dtypes",
-        dtype,
-        "--call-shapes",
-        spec,
         "--json",
         str(target),
         "--timeout-s",
         str(_soft(budget, "inspect")),
     ]
+    if calls:
+        cmd += ["--calls", ",".join(calls)]
     if bench.get("copy", {}).get("GB/s") and not run.dry_run:
         cmd += ["--bandwidth-gbps", f"{bench['copy']['GB/s']:.1f}"]
     if device.get("sm_count") and not run.dry_run:
         cmd += ["--sms", str(device["sm_count"]), "--gpu-name", str(device["gpu"])]
     record = run.step("inspect", cmd, budget)
-    if target.exists() and run.bench_json() is not None:
-        inspect = _load_by_path(
-            "normbook_inspector_for_gpu_check",
-            ROOT / "kernels" / "normbook" / "lab" / "inspector.py",
+    inspect_results(run, record, pairing, bench, target, todo)
+
+
+def inspect_results(run: Run, record: dict, pairing, bench: dict, target, todo) -> None:
+    """Read the inspector's JSON (an unreadable one is the step's error), say which of
+    the units ``todo`` ran and which were cut, and write the table of measured against
+    predicted."""
+    inspected, error = _read_json(target)
+    if error:
+        record["error"] = f"the inspector's JSON: {error}"
+        inspected = {}
+    units = inspected.get("meta", {}).get("units")
+    if units is None:  # killed before it wrote (every unit cut), or a broken file
+        status = "cut" if record.get("cut") else "unknown"
+        units = [{"call": c, "M": M, "N": N, "status": status} for c, M, N in todo]
+    record["units"] = units
+    cut = [u for u in units if u["status"] == "cut"]
+    if cut and not record.get("cut"):
+        record["cut"] = (
+            f"stopped by its budget: {len(cut)} of {len(units)} units not inspected ("
+            + ", ".join(f"{u['call']} {u['M']}x{u['N']}" for u in cut)
+            + ")"
         )
-        table = inspect.measured_vs_predicted(
-            json.loads(run.bench_json().read_text()), json.loads(target.read_text())
-        )
-        _write_json(run.out / "measured_vs_predicted.json", table)
-        (run.out / "measured_vs_predicted.md").write_text(
-            inspect.comparison_markdown(table) + "\n"
-        )
-        record["compared_rows"] = len(table["rows"])
-        run.save()
+    _compare(run, pairing, bench, inspected, record)
+    run.settle(record)
+
+
+def _compare(run: Run, pairing, bench: dict, inspected: dict, record=None) -> None:
+    """measured_vs_predicted.json and .md: every measured row, paired or not."""
+    if not any(True for _ in pairing.measured_rows(bench)):
+        return
+    table = pairing.measured_vs_predicted(bench, inspected)
+    _write_json(run.out / "measured_vs_predicted.json", table)
+    _write_text(
+        run.out / "measured_vs_predicted.md", pairing.comparison_markdown(table) + "\n"
+    )
+    if record is not None:
+        record.update(compared_rows=len(table["rows"]), unpaired=len(table["unpaired"]))
 
 
 def _chapters(run: Run) -> None:
@@ -759,11 +933,27 @@ def _chapters(run: Run) -> None:
         str(time.time() + _soft(budget, "chapters")),
     ]
     record = run.step("chapters", cmd, budget)
-    result = run.logs / "chapters.json"
-    if result.exists():
-        record["chapters"] = json.loads(result.read_text())
-        run.bundle_logs()
-        run.save()
+    chapters_results(run, record, run.logs / "chapters.json")
+
+
+def chapters_results(run: Run, record: dict, path: pathlib.Path) -> None:
+    """Each chapter's result (chapters.json, written by the child as each ends): a chapter
+    that failed makes the step failed; one cut or not run (the budget) makes it cut."""
+    results, error = _read_json(path)
+    if error:
+        if not record.get("cut"):
+            record["error"] = f"the chapters' results: {error}"
+        run.settle(record)
+        return
+    record["chapters"] = results
+    failed = [r["chapter"] for r in results if r.get("status", "").startswith("failed")]
+    cut = [r["chapter"] for r in results if r.get("cut")]
+    if failed:
+        record["failed"] = f"{len(failed)} chapters failed: {', '.join(failed)}"
+    if cut and not record.get("cut"):
+        record["cut"] = f"stopped by its budget: {len(cut)} chapters cut or not run"
+    run.bundle_logs()
+    run.settle(record)
 
 
 def _load_by_path(name: str, path: pathlib.Path):
@@ -792,49 +982,112 @@ def _importable(module: str, env: dict) -> bool:
         return False
 
 
-def execute_chapters(folder: pathlib.Path, deadline: float | None) -> int:
-    """Child of the chapters step: execute each chapter of _toc.yml in order, until the deadline."""
+def execute_chapters(
+    folder: pathlib.Path, deadline: float | None, notebooks=None, execute=None
+) -> int:
+    """Child of the chapters step: execute each chapter of _toc.yml (or ``notebooks``) in
+    order, until the deadline. folder/chapters.json is rewritten as each chapter ends,
+    one entry each: status "ok", "failed: <error>", "cut" (stopped by the deadline or by
+    the step's hard stop: not a failure of the chapter) or "not run" (no time left);
+    cut and not run say "cut": true. ``execute(path, deadline)``: runs one notebook
+    (default: nbclient, no cell past the deadline)."""
+    if notebooks is None:
+        import yaml
+
+        toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+        files = [toc["root"]] + [
+            c["file"]
+            for part in toc.get("parts", [{"chapters": toc.get("chapters", [])}])
+            for c in part.get("chapters", [])
+        ]
+        notebooks = [ROOT / f"{f}.ipynb" for f in files]
+    notebooks = [pathlib.Path(p) for p in notebooks if pathlib.Path(p).exists()]
+    execute = execute or _execute_notebook
+    results: list[dict] = []
+    running: dict = {}
+
+    def name(path: pathlib.Path) -> str:
+        try:
+            return str(path.relative_to(ROOT).with_suffix(""))
+        except ValueError:
+            return path.stem
+
+    def on_term(signum, frame):
+        # The step's hard stop signals the whole group: the chapter's kernel dies of it
+        # too, and nbclient would report that as the chapter's error. It is a cut.
+        done = list(results)
+        if running:
+            seconds = round(time.time() - running["t0"], 1)
+            done.append(
+                {
+                    "chapter": running["chapter"],
+                    "status": "cut",
+                    "cut": True,
+                    "why": "the step's hard stop",
+                    "seconds": seconds,
+                }
+            )
+        done += [
+            {"chapter": name(p), "status": "not run", "cut": True}
+            for p in notebooks[len(done) :]
+        ]
+        _write_json(folder / "chapters.json", done)
+        os._exit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    failed = 0
+    try:
+        for path in notebooks:
+            entry = {"chapter": name(path)}
+            if deadline is not None and time.time() > deadline:
+                results.append({**entry, "status": "not run", "cut": True})
+                _write_json(folder / "chapters.json", results)
+                continue
+            t0 = time.time()
+            running.update(chapter=entry["chapter"], t0=t0)
+            try:
+                execute(path, deadline)
+                entry["status"] = "ok"
+            except Exception as exc:
+                if deadline is not None and time.time() >= deadline:
+                    entry.update(status="cut", cut=True, why="the deadline")
+                else:
+                    plain = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))  # terminal colours
+                    entry["status"] = f"failed: {type(exc).__name__}: {plain[-600:]}"
+                    failed += 1
+            running.clear()
+            entry["seconds"] = round(time.time() - t0, 1)
+            results.append(entry)
+            print(
+                f"chapter {entry['chapter']}: {entry['status'].splitlines()[0]} "
+                f"({entry['seconds']} s)",
+                flush=True,
+            )
+            _write_json(folder / "chapters.json", results)
+        _write_json(folder / "chapters.json", results)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 1 if failed else 0
+
+
+def _execute_notebook(path: pathlib.Path, deadline: float | None) -> None:
     import nbformat
-    import yaml
     from nbclient import NotebookClient
 
-    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
-    files = [toc["root"]] + [
-        c["file"]
-        for part in toc.get("parts", [{"chapters": toc.get("chapters", [])}])
-        for c in part.get("chapters", [])
-    ]
-    results = []
-    failed = 0
-    for f in files:
-        path = ROOT / f"{f}.ipynb"
-        if not path.exists():
-            continue
-        if deadline is not None and time.time() > deadline:
-            results.append({"chapter": f, "status": "not run: budget"})
-            continue
-        t0 = time.time()
-        nb = nbformat.read(path, as_version=4)
-        try:
-            NotebookClient(
-                nb,
-                timeout=300,
-                kernel_name="python3",
-                resources={"metadata": {"path": str(path.parent)}},
-            ).execute()
-            status = "ok"
-        except Exception as exc:
-            plain = re.sub(
-                r"\x1b\[[0-9;]*m", "", str(exc)
-            )  # the traceback's terminal colours
-            status = f"failed: {type(exc).__name__}: {plain[-600:]}"
-            failed += 1
-        seconds = round(time.time() - t0, 1)
-        results.append({"chapter": f, "status": status, "seconds": seconds})
-        print(f"chapter {f}: {status.splitlines()[0]} ({seconds} s)", flush=True)
-        _write_json(folder / "chapters.json", results)
-    _write_json(folder / "chapters.json", results)
-    return 1 if failed else 0
+    def timeout(cell) -> float:
+        # 300 s a cell, and no later than the deadline: a cell running then times out,
+        # and the chapter is recorded as cut.
+        left = 300.0 if deadline is None else min(300.0, deadline - time.time())
+        return max(1.0, left)
+
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(
+        nb,
+        timeout=300,
+        timeout_func=timeout,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(path.parent)}},
+    ).execute()
 
 
 # ---------------------------------------------------------------- recording a returned run
@@ -900,7 +1153,10 @@ def record(folder: pathlib.Path) -> int:
             f"{folder} holds no summary.json: not a gpu-check folder", file=sys.stderr
         )
         return 2
-    summary = json.loads(summary_path.read_text())
+    summary, error = _read_json(summary_path)
+    if error:
+        print(f"{folder}: {error}", file=sys.stderr)
+        return 2
     if summary.get("dry_run") or not summary.get("gpu"):
         print(
             "a dry run measures nothing: data/bench/ holds GPU measurements only",

@@ -1827,7 +1827,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(errors)} failing to compile ({time.perf_counter() - t0:.0f} s)"
     )
     if a.json:
-        pathlib.Path(a.json).write_text(json.dumps(result, indent=1))
+        # Written beside, then renamed: a stop mid-write leaves no half file.
+        out = pathlib.Path(a.json)
+        tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(result, indent=1))
+        os.replace(tmp, out)
     return 1 if errors else 0
 
 

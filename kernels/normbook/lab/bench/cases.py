@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import pathlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -73,6 +73,10 @@ class Problem:
     grad_outputs: tuple = ()
     # how the row-sized tensors are laid out, for the record
     shape: str = ""
+    # the call's arguments beyond its tensors (sampling's temperature, attention's
+    # mask), for the record: the inspector's prediction pairs with a row only where its
+    # own call passes the same (normbook.lab.pairing)
+    params: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -135,6 +139,7 @@ def problem(spec, direction: str, M: int, N: int, dtype, device) -> Problem:
         wrt=wrt,
         grad_outputs=grads,
         shape=shape,
+        params=dict(spec.kwargs),
     )
 
 

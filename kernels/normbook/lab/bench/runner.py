@@ -220,7 +220,9 @@ def run_problem(
     compile_ok: bool,
 ) -> list[dict]:
     rows = []
-    base = dict(M=M, N=N, shape=problem.shape, bytes=problem.nbytes)
+    base = dict(
+        M=M, N=N, shape=problem.shape, bytes=problem.nbytes, params=problem.params
+    )
     try:
         _, want_fn = _timed_call(problem.formula, problem)
         # eager PyTorch's results: every provider is checked against them
