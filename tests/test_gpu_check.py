@@ -26,6 +26,7 @@ import time
 import pytest
 
 from normbook import DEVICE
+from normbook.lab.specs import BY_NAME, SPECS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 GPU_CHECK = ROOT / "tools" / "gpu_check.py"
@@ -320,11 +321,10 @@ def test_the_gpu_day_plan_measures_every_benchmark_case():
     from normbook.lab import bench
     from normbook.lab.bench import plan
 
-    gpu_check = _gpu_check()
     planned = {e.case for e in plan.PLANS["gpu-day"]}
     assert [c.name for c in bench.CASES if c.name not in planned] == []
-    pairing = gpu_check._load_by_path("pairing_under_test", gpu_check.PAIRING)
-    assert set(pairing.NOT_INSPECTED) <= {name.split(".")[0] for name in planned}
+    not_inspected = {s.name for s in SPECS if s.bench and not s.inspected}
+    assert not_inspected <= {name.split(".")[0] for name in planned}
 
 
 # ---------------------------------------------------------------- past the budget
@@ -567,6 +567,8 @@ def _bench_file(rows, smoke=False) -> dict:
                 "ms": 1.0,
                 "GB/s": 500.0,
                 "regime": "",
+                # what the benchmark records: the keywords its spec's call passed
+                "params": dict(BY_NAME[r["kernel"]].kwargs),
                 **r,
             }
             for r in rows
@@ -593,7 +595,7 @@ def _inspector_row(call, phase, M, N, predicted=0.8):
 
 def test_an_unreadable_inspector_json_is_the_steps_error(tmp_path):
     gpu_check = _gpu_check()
-    pairing = gpu_check._load_by_path("pairing_under_test", gpu_check.PAIRING)
+    pairing = gpu_check._lab("pairing")
     bench = _bench_file([dict(kernel="rms_norm", direction="forward", M=1, N=4096)])
     target = tmp_path / "inspect_sm90.json"
     target.write_text(json.dumps({"meta": {}, "rows": [{"call": "rms"}]})[:20])
@@ -613,7 +615,7 @@ def test_an_unreadable_inspector_json_is_the_steps_error(tmp_path):
 
 def test_inspector_calls_cut_by_the_deadline_are_cut_and_the_rest_kept(tmp_path):
     gpu_check = _gpu_check()
-    pairing = gpu_check._load_by_path("pairing_under_test", gpu_check.PAIRING)
+    pairing = gpu_check._lab("pairing")
     bench = _bench_file(
         [
             dict(kernel="attention", direction="forward", M=1024, N=4096),
@@ -622,8 +624,6 @@ def test_inspector_calls_cut_by_the_deadline_are_cut_and_the_rest_kept(tmp_path)
             dict(kernel="softmax", direction="forward", M=8, N=4096),
         ]
     )
-    # params of the benchmark's attention (normbook.lab.bench.cases)
-    bench["results"][0]["params"] = {"causal": "top_left"}
     todo = pairing.units(bench)
     assert todo == [
         ("softmax", 8, 4096),
@@ -692,19 +692,9 @@ def test_the_inspector_past_its_deadline_writes_what_it_has(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
 
 
-# The public calls both builders make, recorded instead of launched.
-RECORDED_CALLS = (
-    "rms_norm",
-    "layer_norm",
-    "fused_add_rms_norm",
-    "qk_norm_rope",
-    "softmax",
-    "cross_entropy",
-    "attention",
-    "sample",
-    "swiglu",
-    "decode_attention",
-)
+# The public calls both the benchmark and the inspector make, recorded instead of
+# launched: every inspected spec with a place on the GPU day.
+RECORDED_CALLS = tuple(s.name for s in SPECS if s.inspected and s.plan)
 
 
 def _recorder(monkeypatch):
@@ -735,7 +725,9 @@ def _recorder(monkeypatch):
                 }
             )
             x = next(
-                a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()
+                a
+                for a in bound.arguments.values()
+                if isinstance(a, torch.Tensor) and a.is_floating_point()
             )
             return x.sum()
 
@@ -747,33 +739,19 @@ def _recorder(monkeypatch):
 
 
 def test_a_measured_row_pairs_only_with_the_inspectors_same_work(monkeypatch):
-    """normbook.lab.pairing.inspector_work, against both builders at every shape of the
-    GPU day's plan (and its smoke shapes): where it pairs a benchmark case with an
-    inspector call, the two call the kernel with the same tensors (shapes, dtypes,
-    gradients) and arguments; where it does not, the inspector's call at the same
-    (M, N) is other work. The parameters a row records are the ones its call passed."""
+    """normbook.lab.pairing.inspector_work, against both the benchmark's and the
+    inspector's calls at every shape of the GPU day's plan (and its smoke shapes):
+    where it pairs a benchmark case with an inspector call, the two call the kernel with
+    the same tensors (shapes, dtypes, gradients) and arguments. The parameters a row
+    records are the ones its call passed."""
     import torch
 
     from normbook.lab import inspector
     from normbook.lab.bench import cases, plan
 
-    pairing = _gpu_check()._load_by_path("pairing_under_test", _gpu_check().PAIRING)
-    assert (pairing.HEAD_DIM, pairing.GQA_GROUP, pairing.DECODE_CACHE) == (
-        cases.HEAD_DIM,
-        cases.GQA_GROUP,
-        cases.DECODE_CACHE,
-    )
-    assert pairing.DECODE_HEADS == cases.DECODE_ATTENTION_HEADS
+    pairing = _gpu_check()._lab("pairing")
     calls = _recorder(monkeypatch)
     by_name = {c.name: c for c in cases.CASES}
-
-    def normal(sig):
-        return {
-            k: pairing._SAME_VALUE.get(k, {}).get(v, v)
-            if isinstance(v, (bool, str))
-            else v
-            for k, v in sig.items()
-        }
 
     def inspected(call, phase, M, N):
         calls.clear()
@@ -782,17 +760,19 @@ def test_a_measured_row_pairs_only_with_the_inspectors_same_work(monkeypatch):
             forward()
         else:
             next(backward())
-        return normal(calls[-1])
+        return calls[-1]
 
-    checked = paired = 0
+    checked = 0
     for entry in plan.PLAN:
         kernel, direction = entry.case.split(".")
-        if kernel in pairing.NOT_INSPECTED:
-            continue
-        assert kernel in RECORDED_CALLS, f"{kernel}: a plan kernel to record too"
         case = by_name[entry.case]
         for M, N in dict.fromkeys(entry.shapes + entry.smoke):
+            if kernel not in RECORDED_CALLS:
+                work = pairing.inspector_work(kernel, direction, M, N, {})
+                assert isinstance(work, str) and "not inspected" in work, work
+                continue
             problem = case.build(M, N, torch.bfloat16, torch.device("meta"))
+            work = pairing.inspector_work(kernel, direction, M, N, problem.params)
             inputs = [
                 t.detach().requires_grad_(i in problem.wrt)
                 if isinstance(t, torch.Tensor) and t.is_floating_point()
@@ -803,57 +783,53 @@ def test_a_measured_row_pairs_only_with_the_inspectors_same_work(monkeypatch):
             problem.ours(*inputs)
             measured = calls[-1]
             assert {k: measured[k] for k in problem.params} == problem.params
-            work = pairing.inspector_work(kernel, direction, M, N, problem.params)
             where = f"{entry.case} at ({M}, {N})"
-            if isinstance(work, str):
-                assert inspected(kernel, direction, M, N) != normal(measured), where
-            else:
-                assert work[:2] == (kernel, direction), where
-                assert inspected(*work) == normal(measured), f"{where}: {work}"
-                paired += 1
+            assert work[:2] == (kernel, direction), where
+            assert inspected(*work) == measured, f"{where}: {work}"
             checked += 1
-    assert paired > 0.8 * checked  # most of the plan is paired
+    assert checked > 40
 
 
 def test_measured_vs_predicted_never_pairs_other_work():
-    """Pairs of different work that matching (M, N) alone would make: decode_attention
-    measured over 32,768 cached tokens (the inspector's decode_attention at that (M, N)
-    is 256 heads over 4,096), and greedy sampling (the inspector's samples with
-    temperature, top-k and top-p). With inspector rows at exactly those (M, N), they
-    stay unpaired."""
-    pairing = _gpu_check()._load_by_path("pairing_under_test", _gpu_check().PAIRING)
+    """A row whose call passed other parameters than its spec's (sampling with a
+    temperature), or at another shape, or of a kernel the inspector does not lower,
+    stays unpaired, even with inspector rows of the same call."""
+    pairing = _gpu_check()._lab("pairing")
     V = 151_936
     bench = _bench_file(
         [
             dict(kernel="decode_attention", direction="forward", M=8, N=32768),
-            dict(kernel="decode_attention", direction="forward", M=64, N=4096),
             dict(kernel="sample", direction="forward", M=64, N=V),
+            dict(kernel="sample", direction="forward", M=1, N=V),
             dict(kernel="rms_norm", direction="forward", M=1, N=4096),
+            dict(kernel="rms_norm", direction="forward", M=8, N=4096),
+            dict(kernel="linear_cross_entropy", direction="backward", M=8192, N=4096),
         ]
     )
-    bench["results"][2]["params"] = {"temperature": 0.0}
+    bench["results"][2]["params"] = {"temperature": 0.8}
     inspected = {
         "meta": {},
         "rows": [
             _inspector_row("decode_attention", "forward", 8, 32768, 0.5),
-            _inspector_row("decode_attention", "forward", 64, 4096, 0.6),
             _inspector_row("sample", "forward", 64, V, 0.7),
+            _inspector_row("sample", "forward", 1, V, 0.7),
             _inspector_row("rms_norm", "forward", 1, 4096, 0.9),
             _inspector_row("rms_norm", "forward", 1, 4096, 0.8),  # a second launch
         ],
     }
     table = pairing.measured_vs_predicted(bench, inspected)
     assert [(r["case"], r["M"], r["N"], r["predicted"]) for r in table["rows"]] == [
-        ("decode_attention.forward", 64, 4096, 0.6),
+        ("decode_attention.forward", 8, 32768, 0.5),
+        ("sample.forward", 64, V, 0.7),
         ("rms_norm.forward", 1, 4096, 0.8),
     ]
-    unpaired = {(r["case"], r["N"]): r["reason"] for r in table["unpaired"]}
-    assert set(unpaired) == {("decode_attention.forward", 32768), ("sample.forward", V)}
-    assert "32768 cached tokens" in unpaired["decode_attention.forward", 32768]
-    assert "temperature" in unpaired["sample.forward", V]
+    unpaired = {(r["case"], r["M"]): r["reason"] for r in table["unpaired"]}
+    assert set(unpaired) == {
+        ("sample.forward", 1),
+        ("rms_norm.forward", 8),
+        ("linear_cross_entropy.backward", 8192),
+    }
+    assert "temperature" in unpaired["sample.forward", 1]
+    assert "not inspected" in unpaired["linear_cross_entropy.backward", 8192]
     markdown = pairing.comparison_markdown(table)
-    assert "| sample.forward | 64 | 151936 | 50 |" in markdown
-    # The chapter renders a recorded table with the inspector's own function: it still can.
-    from normbook.lab import inspector
-
-    assert "rms_norm.forward" in inspector.comparison_markdown(table)
+    assert "| sample.forward | 1 | 151936 | 50 |" in markdown

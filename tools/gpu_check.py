@@ -86,25 +86,10 @@ NOT_KERNEL_TESTS = {
     # under pytest >= 9.2, whatever the GPU machine's pytest is)
     "test_workers.py",
 }
-#: The most valuable first (pytest-xdist hands out tests roughly in this order).
-FIRST_TESTS = [
-    "test_rms_norm.py",
-    "test_rms_norm_backward.py",
-    "test_fused_add_rms_norm.py",
-    "test_fused_add_rms_norm_backward.py",
-    "test_layer_norm.py",
-    "test_layer_norm_backward.py",
-    "test_softmax.py",
-    "test_cross_entropy.py",
-    "test_attention.py",
-    "test_sampling.py",
-    "test_qk_norm_rope.py",
-]
 #: The dry run's tests: a few fast ones (the interpreter is no GPU).
 DRY_TESTS = ["tests/test_validate.py"]
-#: The dry run's inspector: one kernel's variants (the first compile takes seconds each here).
-DRY_INSPECT_CALLS = ("rms_norm",)
-PAIRING = ROOT / "kernels" / "normbook" / "lab" / "pairing.py"
+#: normbook.lab, whose specs and pairing import only the standard library.
+LAB = ROOT / "kernels" / "normbook" / "lab"
 #: What executing the chapters needs beyond the GPU machine's own packages.
 CHAPTER_MODULES = ("nbformat", "nbclient", "ipykernel", "plotly")
 MAX_OUT_FILES = 8
@@ -193,7 +178,9 @@ def kernel_test_files() -> list[str]:
         for p in (ROOT / "tests").glob("test_*.py")
         if p.name not in NOT_KERNEL_TESTS
     )
-    first = [n for n in FIRST_TESTS if n in names]
+    # the most valuable first (pytest-xdist hands out tests roughly in this order): the
+    # specs' order
+    first = [n for n in _lab("specs").test_files() if n in names]
     return [f"tests/{n}" for n in first + [n for n in names if n not in first]]
 
 
@@ -817,8 +804,9 @@ def count_tests(report: pathlib.Path, xml: pathlib.Path | None = None) -> dict |
 
 def _inspect(run: Run, bench: dict, device: dict) -> None:
     budget = run.budgets["inspect"]
-    pairing = _load_by_path("normbook_pairing_for_gpu_check", PAIRING)
-    calls = DRY_INSPECT_CALLS if run.dry_run else None
+    pairing = _lab("pairing")
+    # the dry run: one kernel's variants (the first compile takes seconds each here)
+    calls = (_lab("specs").SPECS[0].name,) if run.dry_run else None
     todo = pairing.units(bench, calls)
     if not todo:
         run.step(
@@ -956,13 +944,19 @@ def chapters_results(run: Run, record: dict, path: pathlib.Path) -> None:
     run.settle(record)
 
 
-def _load_by_path(name: str, path: pathlib.Path):
-    """A module of this repository without importing the ``normbook`` package (and torch)."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+def _lab(module: str):
+    """A module of normbook.lab that imports only the standard library (``specs``,
+    ``pairing``), without the ``normbook`` package (and torch): the lab's folder loaded
+    as a package of its own."""
+    name = "normbook_lab_for_gpu_check"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            name, LAB / "__init__.py", submodule_search_locations=[str(LAB)]
+        )
+        package = importlib.util.module_from_spec(spec)
+        sys.modules[name] = package
+        spec.loader.exec_module(package)
+    return importlib.import_module(f"{name}.{module}")
 
 
 def _importable(module: str, env: dict) -> bool:

@@ -57,8 +57,11 @@ class KernelSpec:
     #: the benchmark's fewest rows per direction (a check needs more than one)
     min_rows: dict = field(default_factory=dict)
     plan: Plan | None = None
-    #: inspector: False, or the shape labels it is launched at
-    inspect: tuple | bool = ("bench", "decode", "odd")
+    #: inspector: the shape labels it is launched at, or why it is not inspected
+    inspect: tuple | str = ("bench", "decode", "odd")
+    #: seconds to inspect it at the GPU day's shapes from nothing (measured on a busy
+    #: 2-core CPU, Triton 3.9): the GPU day inspects the cheap first
+    inspect_s: float = 30.0
     #: at its labels, only these (M, N) shapes (none: every shape of the labels)
     inspect_shapes: tuple = ()
     #: whether the spec's own call is inspected, besides its variants
@@ -74,6 +77,10 @@ class KernelSpec:
     @property
     def module_name(self) -> str:
         return self.module or self.name
+
+    @property
+    def inspected(self) -> bool:
+        return not isinstance(self.inspect, str)
 
     def fn(self):
         import normbook

@@ -1,14 +1,10 @@
 """Which of the inspector's predictions is for the work a benchmark row measured.
 
-The benchmark (:mod:`normbook.lab.bench.cases`) and the inspector (the ``_calls`` of
-:mod:`normbook.lab.inspector`) each build a kernel's inputs from (M, N) in their own
-way, and for some kernels the two are different work: decode attention (the
-benchmark's N is the cached tokens, with 32 query heads; the inspector's N is the
-heads' width, over 4,096 cached tokens) and sampling (greedy measured; temperature,
-top-k and top-p inspected). Until both read one spec, :func:`inspector_work` says, for a
-benchmark row (kernel, direction, M, N and its ``params``), which inspector call, phase
-and (M, N) does the same work, or why none does. tests/test_gpu_check.py checks it
-against both builders at every shape of the GPU day's plan.
+The benchmark and the inspector build a kernel's call from one spec
+(:mod:`normbook.lab.specs`): the same inputs at (M, N), the same keywords. So a
+benchmark row (kernel, direction, M, N, and the ``params`` its call passed) pairs with
+the inspector's launch of that spec at the same (M, N) (:func:`inspector_work`), unless
+the spec is not inspected or the row's call passed other parameters than the spec's.
 
 The GPU day (tools/gpu_check.py) inspects exactly the work that pairs, cheap calls
 first (:func:`inspect_measured`, the command below), and :func:`measured_vs_predicted`
@@ -18,8 +14,8 @@ parameters; every other measured row is listed as unpaired, with the reason::
     python -m normbook.lab.pairing BENCH.json --arch 90 --json inspect_sm90.json \\
         [--timeout-s S] [--calls rms_norm,...] [--bandwidth-gbps G --sms N --gpu-name X]
 
-Only the standard library is imported at the top: tools/gpu_check.py loads this file
-by path, without torch.
+Only the standard library is imported at the top, with the specs: tools/gpu_check.py
+loads the lab's folder as a package of its own, without torch.
 """
 
 from __future__ import annotations
@@ -30,55 +26,8 @@ import os
 import pathlib
 import sys
 
-# As normbook.lab.bench.cases spells them (the tests check): the inspector builds its
-# inputs from these too.
-HEAD_DIM = 128
-GQA_GROUP = 4
-#: Tokens per request of the inspector's decode_attention (cases.DECODE_CACHE).
-DECODE_CACHE = 4096
-#: Query and key/value heads of the benchmark's decode_attention
-#: (cases.DECODE_ATTENTION_HEADS) above 256 cached tokens.
-DECODE_HEADS = (32, 8)
-#: The benchmark's attention splits more tokens than this into several sequences; the
-#: inspector's is always one.
-MAX_SEQ = 4096
-#: The benchmark's attention backward runs at least this many tokens.
-MIN_BACKWARD_SEQ = 64
+from .specs import BY_NAME
 
-#: Measured, never inspected: why.
-NOT_INSPECTED = {
-    "linear_cross_entropy": "its own launches are cross_entropy's kernels between "
-    "cuBLAS products, which the inspector cannot lower",
-}
-#: The arguments beyond its tensors that the inspector's call passes, where they change
-#: the work (sample's generator, a seed, changes the draws only). A benchmark row's
-#: ``params`` must be the same for the two to pair.
-INSPECTOR_PARAMS = {
-    "sample": {"temperature": 0.8, "top_k": 50, "top_p": 0.9},
-    "attention": {"causal": True},
-}
-#: A causal mask aligned top-left or bottom-right is one mask when queries and keys are
-#: as many, as in both builders' self-attention (normbook.attention's docstring).
-_SAME_VALUE = {
-    "causal": {True: "causal", "bottom_right": "causal", "top_left": "causal"}
-}
-
-#: Seconds each call took to inspect at the GPU day's shapes, compiling from nothing
-#: (one child, sm_90, bf16, on a busy 2-core CPU, Triton 3.9; about 8 of them start-up):
-#: the order of :func:`units`, cheap first, so that a deadline cuts the costly ones. A
-#: call not listed goes last.
-INSPECT_SECONDS = {
-    "softmax": 11,
-    "cross_entropy": 12,
-    "layer_norm": 14,
-    "decode_attention": 14,
-    "rms_norm": 15,
-    "swiglu": 16,
-    "fused_add_rms_norm": 18,
-    "attention": 20,
-    "qk_norm_rope": 21,
-    "sample": 64,
-}
 #: The shape label of the inspector's rows for measured work.
 LABEL = "plan"
 _SHORT_DTYPE = {
@@ -89,48 +38,24 @@ _SHORT_DTYPE = {
 }
 
 
-def _normal(params: dict) -> dict:
-    return {
-        k: _SAME_VALUE.get(k, {}).get(v, v) if isinstance(v, (bool, str)) else v
-        for k, v in params.items()
-    }
-
-
 def inspector_work(
     kernel: str, direction: str, M: int, N: int, params: dict | None = None
 ) -> tuple[str, str, int, int] | str:
     """The inspector's (call, phase, M, N) that does the work the benchmark's case
     ``kernel.direction`` measured at (M, N) with ``params``, or, as a string, why no
     inspector call does."""
-    if kernel in NOT_INSPECTED:
-        return f"not inspected: {NOT_INSPECTED[kernel]}"
-    theirs = INSPECTOR_PARAMS.get(kernel, {})
-    if _normal(params or {}) != _normal(theirs):
+    spec = BY_NAME.get(kernel)
+    if spec is None:
+        return f"no spec named {kernel!r}"
+    if not spec.inspected:
+        return f"not inspected: {spec.inspect}"
+    if (params or {}) != spec.kwargs:
         return (
             f"measured with {params or 'no parameters'}, the inspector's call passes "
-            f"{theirs or 'none'}: different work"
+            f"{spec.kwargs or 'none'}: different work"
         )
-    if kernel == "attention":
-        if M > MAX_SEQ:
-            return (
-                f"measured as {M // MAX_SEQ} sequences of {MAX_SEQ} tokens; the "
-                f"inspector's {M} tokens are one sequence"
-            )
-        if direction == "backward" and M < MIN_BACKWARD_SEQ:
-            return f"measured at {MIN_BACKWARD_SEQ} tokens, not {M}"
-    if kernel == "decode_attention":
-        if (
-            N != DECODE_CACHE
-            or M > 64
-            or DECODE_HEADS[1] * GQA_GROUP != DECODE_HEADS[0]
-        ):
-            return (
-                f"measured over {N} cached tokens per request; the inspector's "
-                f"decode_attention reads {DECODE_CACHE} (at most 64 requests)"
-            )
-        # the inspector's N is the query heads' width; its cache, DECODE_CACHE tokens
-        return kernel, direction, M, DECODE_HEADS[0] * HEAD_DIM
-    return kernel, direction, M, N
+    # the benchmark's fewest rows for this direction (spec.min_rows) are what it ran
+    return kernel, direction, max(M, spec.min_rows.get(direction, 1)), N
 
 
 def bench_dtype(bench: dict) -> str | None:
@@ -151,7 +76,7 @@ def measured_rows(bench: dict):
 
 def units(bench: dict, calls=None) -> list[tuple[str, int, int]]:
     """(call, M, N) of every inspector unit that pairs with a measured row (forward and
-    backward of one shape are one unit), cheap calls first (:data:`INSPECT_SECONDS`),
+    backward of one shape are one unit), cheap calls first (each spec's ``inspect_s``),
     each call's shapes in the order measured. ``calls``: only these."""
     out: list[tuple[str, int, int]] = []
     for b in measured_rows(bench):
@@ -163,8 +88,7 @@ def units(bench: dict, calls=None) -> list[tuple[str, int, int]]:
         unit = (work[0], work[2], work[3])
         if unit not in out:
             out.append(unit)
-    last = max(INSPECT_SECONDS.values()) + 1
-    return sorted(out, key=lambda u: INSPECT_SECONDS.get(u[0], last))
+    return sorted(out, key=lambda u: BY_NAME[u[0]].inspect_s)
 
 
 def inspect_measured(

@@ -393,6 +393,7 @@ SPECS = (
         _rms_norm_bytes,
         _FB,
         plan=Plan(ROWS + DECODE_ROWS),
+        inspect_s=15,
     ),
     KernelSpec(
         "fused_add_rms_norm",
@@ -404,6 +405,7 @@ SPECS = (
         _fused_add_rms_norm_bytes,
         {"forward": "fused add", "backward": "backward"},
         plan=Plan(ROWS + DECODE_ROWS),
+        inspect_s=18,
     ),
     KernelSpec(
         "layer_norm",
@@ -415,6 +417,7 @@ SPECS = (
         _layer_norm_bytes,
         _FB,
         plan=Plan(ROWS + DECODE_ROWS),
+        inspect_s=14,
     ),
     KernelSpec(
         "softmax",
@@ -426,6 +429,7 @@ SPECS = (
         _softmax_bytes,
         _FB,
         plan=Plan(ROWS),
+        inspect_s=11,
     ),
     KernelSpec(
         "cross_entropy",
@@ -437,6 +441,7 @@ SPECS = (
         _cross_entropy_bytes,
         {"forward": "", "backward": ""},
         plan=Plan(((1024, VOCAB),), (0,), SMOKE_LOGITS),
+        inspect_s=12,
     ),
     KernelSpec(
         "attention",
@@ -452,6 +457,7 @@ SPECS = (
         # rounding noise, which a check relative to the largest value cannot judge.
         min_rows={"backward": 64},
         inspect_dtypes=_NO_FP64,
+        inspect_s=20,
     ),
     KernelSpec(
         "sample",
@@ -471,6 +477,7 @@ SPECS = (
         ),
         integer_outputs=True,
         module="sampling",
+        inspect_s=64,
     ),
     KernelSpec(
         "qk_norm_rope",
@@ -482,6 +489,7 @@ SPECS = (
         _qk_norm_rope_bytes,
         {"forward": "forward"},
         plan=Plan(((4096, 4096), (1, 4096)), (0,)),
+        inspect_s=21,
     ),
     KernelSpec(
         "swiglu",
@@ -493,6 +501,7 @@ SPECS = (
         _swiglu_bytes,  # the bytes it must move: GB/s against the copy
         _FB,  # benchmarked forward and backward, held to the chapter's targets
         plan=Plan(((8192, 12288), (1, 12288), (64, 12288))),  # Qwen3-8B's MLP width
+        inspect_s=16,
     ),
     KernelSpec(
         "decode_attention",
@@ -516,6 +525,7 @@ SPECS = (
                 lambda M, N, make: _decode_attention_inputs(M, N, make, True),
             ),
         ),
+        inspect_s=14,
     ),
     KernelSpec(
         "linear_cross_entropy",
@@ -529,9 +539,8 @@ SPECS = (
         _linear_cross_entropy_shapes,
         # no torch.compile: the budget goes to every kernel's rows first
         plan=Plan(((8192, 4096),), (), ((64, 8),)),
-        # its own launches are cross_entropy's kernels between cuBLAS products, which
-        # the inspector cannot lower
-        inspect=False,
+        inspect="its own launches are cross_entropy's kernels between cuBLAS products, "
+        "which the inspector cannot lower",
     ),
     KernelSpec(
         "row_variance",
@@ -552,7 +561,7 @@ SPECS = (
     KernelSpec(
         "speculative_sample",
         None,
-        inspect=False,
+        inspect="PyTorch, no Triton kernel",
         integer_outputs=True,
         module="speculative",
         tiny=lambda make: {
@@ -589,7 +598,7 @@ def inspector_launches(label: str, M: int, N: int, dtype: str) -> list[Launch]:
     """What the inspector launches at one (label, M, N) and dtype (:data:`SPECS`)."""
     out = []
     for s in SPECS:
-        if not s.inspect or dtype not in s.inspect_dtypes:
+        if not s.inspected or dtype not in s.inspect_dtypes:
             continue
         if label in LABELS and label not in s.inspect:
             continue
