@@ -89,7 +89,7 @@ FIRST_TESTS = [
     "test_qk_norm_rope.py",
 ]
 #: The dry run's tests: a few fast ones (the interpreter is no GPU).
-DRY_TESTS = ["tests/test_validate.py"]
+DRY_TESTS = ["tests/kernels/test_validate.py"]
 #: The dry run's inspector: one kernel's variants (the first compile takes seconds each here).
 DRY_INSPECT_CALLS = ("rms_norm",)
 #: Benchmarked but not a call of the inspector: linear_cross_entropy's own launches are
@@ -161,11 +161,11 @@ def _git(*args) -> str | None:
 def kernel_test_files() -> list[str]:
     names = sorted(
         p.name
-        for p in (ROOT / "tests").glob("test_*.py")
+        for p in (ROOT / "tests" / "kernels").glob("test_*.py")
         if p.name not in NOT_KERNEL_TESTS
     )
     first = [n for n in FIRST_TESTS if n in names]
-    return [f"tests/{n}" for n in first + [n for n in names if n not in first]]
+    return [f"tests/kernels/{n}" for n in first + [n for n in names if n not in first]]
 
 
 def inspector_arch(capability: tuple[int, int]) -> int:
@@ -794,42 +794,25 @@ def _importable(module: str, env: dict) -> bool:
 
 def execute_chapters(folder: pathlib.Path, deadline: float | None) -> int:
     """Child of the chapters step: execute each chapter of _toc.yml in order, until the deadline."""
-    import nbformat
-    import yaml
-    from nbclient import NotebookClient
+    import chapters  # tools/chapters.py: the book's reader and executor
 
-    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
-    files = [toc["root"]] + [
-        c["file"]
-        for part in toc.get("parts", [{"chapters": toc.get("chapters", [])}])
-        for c in part.get("chapters", [])
-    ]
     results = []
     failed = 0
-    for f in files:
+    for f in chapters.toc_files(ROOT):
         path = ROOT / f"{f}.ipynb"
         if not path.exists():
             continue
         if deadline is not None and time.time() > deadline:
             results.append({"chapter": f, "status": "not run: budget"})
             continue
-        t0 = time.time()
-        nb = nbformat.read(path, as_version=4)
-        try:
-            NotebookClient(
-                nb,
-                timeout=300,
-                kernel_name="python3",
-                resources={"metadata": {"path": str(path.parent)}},
-            ).execute()
+        done = chapters.execute(path, timeout=300, root=ROOT)
+        if done.error is None:
             status = "ok"
-        except Exception as exc:
-            plain = re.sub(
-                r"\x1b\[[0-9;]*m", "", str(exc)
-            )  # the traceback's terminal colours
-            status = f"failed: {type(exc).__name__}: {plain[-600:]}"
+        else:
+            first, _, rest = done.error.partition("\n")  # the chapter and its cell
+            status = f"failed: {type(done.exception).__name__}: {first}\n{rest[-600:]}"
             failed += 1
-        seconds = round(time.time() - t0, 1)
+        seconds = round(done.seconds, 1)
         results.append({"chapter": f, "status": status, "seconds": seconds})
         print(f"chapter {f}: {status.splitlines()[0]} ({seconds} s)", flush=True)
         _write_json(folder / "chapters.json", results)

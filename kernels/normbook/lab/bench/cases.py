@@ -12,8 +12,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
-import os
-import pathlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -22,8 +20,8 @@ import torch
 from .. import timing
 from ..paths import DATA
 
-# $NORMBOOK_BENCH_DIR: read recorded runs from there instead (the tests' fixture).
-DATA_DIR = pathlib.Path(os.environ.get("NORMBOOK_BENCH_DIR") or DATA / "bench")
+#: The recorded runs (a test points it at its fixture).
+DATA_DIR = DATA / "bench"
 
 SWEEP = [256 * 2**i for i in range(11)]  # 256 … 262,144
 # elements per row-sized tensor: M = ELEMENTS // N rows

@@ -20,7 +20,7 @@ import pytest
 
 from normbook import DEVICE
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 GPU_CHECK = ROOT / "tools" / "gpu_check.py"
 BLOCKED = (
     "nbformat",
@@ -252,8 +252,9 @@ def test_dry_run_under_the_gpu_machines_packages(dry_run):
     assert any(n.endswith("_bench.log") for n in names) and any(
         n.endswith("tests.xml") for n in names
     )
-    # pytest exits 0 where tests/conftest.py imports the book's packages lazily (issue 17);
-    # a conftest that imports them eagerly ends even a green run in nbformat's ImportError.
+    # pytest exits 0 where the tests' set-up (conftest.py, scheduling.py) imports the book's
+    # packages lazily; one that imports them eagerly ends even a green run in nbformat's
+    # ImportError.
     assert (
         by["tests"]["returncode"] == 0 or "No module named 'nbformat'" in tests_log
     ), tests_log[-2000:]
