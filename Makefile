@@ -1,8 +1,9 @@
 # The two commands of the README:
 #   make book   set up .venv, build the HTML book with every chapter executed
 #   make test   set up .venv (and Chromium, where it can), run the whole test suite
-#   make test-quick   the edit loop (minutes): kernels at small sizes, prose and width checks;
-#                     no chapter executed, no browser, no inspector
+#   make test-quick   the edit loop (minutes): tests/kernels/ at small sizes and tests/book/'s
+#                     checks of the sources (prose, widths); no chapter executed, no browser,
+#                     no inspector (tests/scheduling.py)
 #   make inspect-record   after editing a kernel: record what the compiler says of its variants
 # Neither needs a GPU: without one, kernels run in Triton's interpreter on the CPU.
 #   make gpu-check   on a CUDA GPU only, with the machine's own Python (nothing installed):
@@ -50,8 +51,8 @@ browser:
 	  else echo "Chromium not found and cannot be installed here: browser tests will be skipped"; fi; }
 
 # One worker per core (pytest-xdist). The chapters, their HTML and the inspector's compile run
-# once, in background processes, while the kernel tests run (tests/run_once.py); the browser
-# tests of a page share a worker (--dist loadgroup). REQUIRE_BOOK: a missing book package fails
+# once, in background processes, while the kernel tests run; the browser tests of a page share
+# a worker (--dist loadgroup): the plugin tests/scheduling.py. REQUIRE_BOOK: a missing book package fails
 # the run instead of skipping its tests.
 PYTEST_WORKERS ?= -n auto --dist loadgroup
 

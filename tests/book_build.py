@@ -1,9 +1,14 @@
-"""Execute every chapter once per test session, then build the HTML from the executed copies.
+"""Execute every chapter once per test run, then build the HTML from the executed copies.
 
-The chapters run in place (working directory ``book/``, as in ``make book``); the executed
-notebooks are written to ``_build/test-book/`` together with the book's configuration, with
-execution switched off there, and Jupyter Book renders them. Chapter tests read the execution
-results; browser tests read the HTML. So each chapter runs once in the whole suite.
+The chapters run in place (working directory ``book/``, as in ``make book``; which chapters and
+how each runs is tools/chapters.py's); the executed notebooks are written to
+``_build/test-book/`` together with the book's configuration, with execution switched off there,
+and Jupyter Book renders them. Chapter tests read the execution results; browser tests read the
+HTML. So each chapter runs once in the whole suite, whichever xdist worker asks first
+(run_once.py); the plugin scheduling.py starts this in a background process at collection.
+
+Only the standard library at import (the book's packages are imported where used): the plugin
+imports this where they are missing.
 """
 
 from __future__ import annotations
@@ -12,15 +17,13 @@ import concurrent.futures
 import importlib.util
 import os
 import pathlib
-import re
 import shutil
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 
+import chapters
 import run_once
-import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # $BOOK_TEST_DIR lets two test runs in one checkout use separate folders (each deletes its own).
@@ -64,86 +67,36 @@ def require(names=BOOK_PACKAGES) -> None:
     pytest.skip(reason, allow_module_level=True)
 
 
-def toc_files() -> list[str]:
-    """Book-relative paths (no suffix) of every page in _toc.yml, in order."""
-    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
-    files = [toc["root"]]
-    for part in toc.get("parts", [{"chapters": toc.get("chapters", [])}]):
-        files.extend(entry["file"] for entry in part.get("chapters", []))
-    return files
-
-
-def chapter_notebooks() -> list[pathlib.Path]:
-    return [ROOT / f"{f}.ipynb" for f in toc_files() if (ROOT / f"{f}.ipynb").exists()]
-
-
 @dataclass
-class Execution:
+class ChapterResult:
+    """What the tests read of a chapter's execution (JSON, shared by the run's processes)."""
+
     path: pathlib.Path
     seconds: float = 0.0
+    #: What failed, naming the chapter and the cell; None when every cell ran.
     error: str | None = None
+    #: Code cells that wrote to stderr (a warning shows in the book as a red box).
     stderr_cells: list[int] = field(default_factory=list)
 
 
-def _cell_label(nb, index: int) -> str:
-    src = "".join(nb.cells[index].source).strip().splitlines()
-    first = src[0] if src else ""
-    return f"cell {index} (`{first[:80]}`)"
-
-
-def execute(path: pathlib.Path) -> Execution:
+def execute(path: pathlib.Path) -> ChapterResult:
+    """Execute one chapter; its executed notebook is written under OUT for the HTML."""
     import nbformat
-    from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError
 
-    nb = nbformat.read(path, as_version=4)
-    result = Execution(path)
-    start = time.time()
-    client = NotebookClient(
-        nb,
-        timeout=900,
-        kernel_name="python3",
-        allow_errors=False,
-        resources={"metadata": {"path": str(path.parent)}},
-    )
-    try:
-        client.execute()
-    except CellExecutionError as exc:
-        failing = next(
-            (
-                i
-                for i, c in enumerate(nb.cells)
-                if c.cell_type == "code"
-                and any(o.get("output_type") == "error" for o in c.get("outputs", []))
-            ),
-            None,
-        )
-        where = _cell_label(nb, failing) if failing is not None else "a cell"
-        plain = re.sub(
-            r"\x1b\[[0-9;]*m", "", str(exc)
-        )  # drop the traceback's terminal colours
-        result.error = f"chapter {path.relative_to(ROOT)}, {where} failed:\n{plain}"
-    except Exception as exc:  # kernel died, timeout
-        result.error = f"chapter {path.relative_to(ROOT)} could not be executed: {type(exc).__name__}: {exc}"
-    result.seconds = time.time() - start
-    for i, c in enumerate(nb.cells):
-        if c.cell_type == "code" and any(
-            o.get("name") == "stderr" for o in c.get("outputs", [])
-        ):
-            result.stderr_cells.append(i)
+    done = chapters.execute(path, root=ROOT)
     dest = OUT / path.relative_to(ROOT)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    nbformat.write(nb, dest)
-    return result
+    nbformat.write(done.nb, dest)
+    return ChapterResult(path, done.seconds, done.error, done.stderr_cells)
 
 
-def execute_all(workers: int | None = None) -> dict[str, Execution]:
+def execute_all(workers: int | None = None) -> dict[str, ChapterResult]:
     """Execute every chapter (or only those named in $CHAPTERS, comma-separated, while writing one:
     the others are copied unexecuted so that the HTML still builds)."""
     if OUT.exists():
         shutil.rmtree(OUT)
     OUT.mkdir(parents=True)
-    notebooks = chapter_notebooks()
+    notebooks = chapters.notebooks(ROOT)
     only = [c for c in os.environ.get("CHAPTERS", "").split(",") if c]
     if only:
         for p in notebooks:
@@ -160,20 +113,20 @@ def execute_all(workers: int | None = None) -> dict[str, Execution]:
     return dict(LAST_RUN)
 
 
-def reuse() -> dict[str, Execution]:
-    """$BOOK_REUSE=1 (a developer's shortcut, never CI): the executed notebooks and HTML of the
-    previous run in OUT, for iterating on tests that only read them. Chapters with no outputs there
+def reuse() -> dict[str, ChapterResult]:
+    """``pytest --reuse-book`` (a developer's shortcut, never CI): the executed notebooks and
+    HTML of the previous run in OUT, for iterating on tests that only read them. Chapters with no outputs there
     (not executed last time) are left out, as if not selected."""
     import nbformat
 
     found = {}
-    for path in chapter_notebooks():
+    for path in chapters.notebooks(ROOT):
         done = OUT / path.relative_to(ROOT)
         if not done.exists():
             continue
         nb = nbformat.read(done, as_version=4)
         if any(c.get("outputs") for c in nb.cells if c.cell_type == "code"):
-            result = Execution(path)
+            result = ChapterResult(path)
             result.stderr_cells = [
                 i
                 for i, c in enumerate(nb.cells)
@@ -186,17 +139,18 @@ def reuse() -> dict[str, Execution]:
     return found
 
 
-def _to_json(results: dict[str, Execution]) -> dict:
+def _to_json(results: dict[str, ChapterResult]) -> dict:
     return {k: {**asdict(r), "path": str(r.path)} for k, r in results.items()}
 
 
-def _from_json(data: dict) -> dict[str, Execution]:
+def _from_json(data: dict) -> dict[str, ChapterResult]:
     return {
-        k: Execution(**{**v, "path": pathlib.Path(v["path"])}) for k, v in data.items()
+        k: ChapterResult(**{**v, "path": pathlib.Path(v["path"])})
+        for k, v in data.items()
     }
 
 
-def executed() -> dict[str, Execution]:
+def executed() -> dict[str, ChapterResult]:
     """Every chapter executed, once per test run however many workers ask (run_once.py)."""
     results = _from_json(
         run_once.once(OUT.parent, OUT.name, lambda: _to_json(execute_all()))
@@ -218,7 +172,7 @@ def html() -> tuple[int, str, pathlib.Path]:
     return r["code"], r["log"], OUT / "_build" / "html"
 
 
-def last_run() -> dict[str, Execution]:
+def last_run() -> dict[str, ChapterResult]:
     """This run's chapter results, wherever they were computed (for the test summary)."""
     data = run_once.stored(OUT.parent, OUT.name)
     return _from_json(data) if data is not None else dict(LAST_RUN)
@@ -236,13 +190,15 @@ def build_html() -> tuple[int, str, pathlib.Path]:
     for name in ("_toc.yml", "references.bib"):
         shutil.copy(ROOT / name, OUT / name)
     shutil.copytree(ROOT / "_ext", OUT / "_ext", dirs_exist_ok=True)
-    for (
-        f
-    ) in toc_files():  # pages that are not notebooks (Markdown) are copied as they are
+    for f in chapters.toc_files(
+        ROOT
+    ):  # pages that are not notebooks: copied as they are
         src = ROOT / f"{f}.md"
         if src.exists():
             (OUT / src.relative_to(ROOT)).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(src, OUT / src.relative_to(ROOT))
+    import yaml
+
     cfg = yaml.safe_load((ROOT / "_config.yml").read_text())
     cfg["execute"]["execute_notebooks"] = "off"
     (OUT / "_config.yml").write_text(yaml.safe_dump(cfg, sort_keys=False))

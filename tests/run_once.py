@@ -1,8 +1,8 @@
 """Work done once per test run and shared by every pytest-xdist worker: executing the chapters,
 building their HTML, compiling the inspector's table.
 
-``conftest.py`` gives each run an id (``$TEST_RUN_ID``), made by the process that starts the run
-before any worker exists, so every worker inherits the same one. A *step* stores its JSON result
+The plugin ``scheduling.py`` gives each run an id (``$TEST_RUN_ID``), made by the process that
+starts the run before any worker exists, so every worker inherits the same one. A *step* stores its JSON result
 in ``<directory>/<name>.<run id>.json``; ``once()`` computes it under a file lock, so the first
 caller computes and every later caller (another worker, a background process) waits for the lock
 and reads the result. ``start()`` begins a step in a background process as soon as collection
@@ -83,8 +83,8 @@ def _forget_other_runs(directory: pathlib.Path, name: str) -> None:
 
 
 def start(directory: pathlib.Path, name: str, target: str, nice: int = 0) -> None:
-    """Start ``target`` ("module:function" in tests/, a function that calls ``once()`` for this
-    step) in a background process, unless this run already started it. ``nice`` lowers its
+    """Start ``target`` ("module:function", a module of tests/, a function that calls ``once()``
+    for this step) in a background process, unless this run already started it. ``nice`` lowers its
     priority: a step needed only at the end of the run yields the cores to the tests."""
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -137,7 +137,8 @@ def _watch_parent(parent: int) -> None:
 
 
 if __name__ == "__main__":  # python tests/run_once.py module:function parent-pid
-    sys.path.insert(0, str(ROOT / "tests"))
+    # What pytest imports from (pyproject.toml's pythonpath): this is a plain Python process.
+    sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tools")]
     threading.Thread(
         target=_watch_parent, args=(int(sys.argv[2]),), daemon=True
     ).start()

@@ -10,9 +10,9 @@ numpy versions. When the stamp changes, the whole cache is cleared and every cha
 an unchanged chapter on unchanged code is not executed twice. ``--force`` clears it regardless.
 A chapter executed here has its file's mtime renewed, so that the build renders it again.
 
-A chapter whose kernel fails outside any cell (it did not start, or nbclient's clean-up raised:
-a known race of kernels started at once under load, jupyter/nbclient#126) is executed once
-more, from its file; an error in a cell, or a cell past its time, fails at once.
+Which chapters, and how each is executed (a fresh kernel in the chapter's folder; once more
+if the kernel fails outside any cell), is tools/chapters.py's, shared with the tests and
+tools/gpu_check.py.
 
 Usage: ``python tools/execute_chapters.py [--force] [--jobs N]`` (from the repository root).
 """
@@ -29,20 +29,11 @@ import shutil
 import sys
 import time
 
-import yaml
+import chapters
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CACHE = ROOT / "_build" / ".jupyter_cache"  # myst-nb's default: next to _build/html
 STAMP = CACHE / "normbook-stamp.txt"
-TIMEOUT = 900  # per cell, as _config.yml's execute.timeout
-
-
-def chapters() -> list[pathlib.Path]:
-    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
-    files = [toc["root"]] + [
-        e["file"] for part in toc.get("parts", []) for e in part.get("chapters", [])
-    ]
-    return [ROOT / f"{f}.ipynb" for f in files if (ROOT / f"{f}.ipynb").exists()]
 
 
 def stamp() -> str:
@@ -64,33 +55,6 @@ def stamp() -> str:
     return h.hexdigest()
 
 
-def execute(path: pathlib.Path, nb, executor, read):
-    """``executor(nb, ...)`` (jupyter-cache's single_nb_execution), once more on a fresh
-    ``read(path)`` when the failure is not the chapter's (see the module's docstring)."""
-    from nbclient.exceptions import CellExecutionError, CellTimeoutError
-
-    def once(nb):
-        return executor(
-            nb,
-            cwd=str(path.parent),
-            timeout=TIMEOUT,
-            allow_errors=False,
-            meta_override=True,
-        )
-
-    result = once(nb)
-    if result.err is not None and not isinstance(
-        result.err, (CellExecutionError, CellTimeoutError)
-    ):
-        print(
-            f"  {path.name}: the kernel failed outside any cell "
-            f"({type(result.err).__name__}: {result.err}); executing it again"
-        )
-        nb = read(path)
-        result = once(nb)
-    return nb, result
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
@@ -100,13 +64,12 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.jobs > 1:
         # A kernel per core already: one compute thread each, not one per core each (which
-        # only oversubscribes the cores; see tests/conftest.py). The kernels inherit it.
+        # only oversubscribes the cores; see tests/scheduling.py). The kernels inherit it.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     import nbformat
     from jupyter_cache import get_cache
     from jupyter_cache.base import CacheBundleIn
-    from jupyter_cache.executors.utils import single_nb_execution
 
     want = stamp()
     if a.force or (
@@ -120,46 +83,43 @@ def main(argv=None) -> int:
     cache = get_cache(str(CACHE))
     STAMP.write_text(want)
 
+    every = chapters.notebooks(ROOT)
     todo = []
-    for path in chapters():
+    for path in every:
         nb = nbformat.read(path, as_version=4)
         try:
             cache.match_cache_notebook(nb)
         except KeyError:
             todo.append((path, nb))
     print(
-        f"execute_chapters: {len(todo)} of {len(chapters())} chapters to execute, {a.jobs} at a time"
+        f"execute_chapters: {len(todo)} of {len(every)} chapters to execute, {a.jobs} at a time"
     )
 
     def run(item):
         path, nb = item
-        return (
-            path,
-            *execute(
-                path, nb, single_nb_execution, lambda p: nbformat.read(p, as_version=4)
-            ),
-        )
+        return chapters.execute(path, nb=nb, root=ROOT)
 
     failed = []
     start = time.time()
     with concurrent.futures.ThreadPoolExecutor(max(1, a.jobs)) as pool:
-        for path, nb, result in pool.map(run, todo):
+        for result in pool.map(run, todo):
+            path = result.path
             rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
-            if result.err is not None:
-                failed.append(
-                    f"{rel}: {type(result.err).__name__}\n{result.exc_string}"
-                )
-                print(f"  {rel}: FAILED after {result.time:.1f} s")
+            if result.error is not None:
+                failed.append(result.error)
+                print(f"  {rel}: FAILED after {result.seconds:.1f} s")
                 continue
             cache.cache_notebook_bundle(
-                CacheBundleIn(nb, str(path), data={"execution_seconds": result.time}),
+                CacheBundleIn(
+                    result.nb, str(path), data={"execution_seconds": result.seconds}
+                ),
                 check_validity=False,
                 overwrite=True,
             )
             # New outputs for an unchanged source: a newer mtime makes Sphinx's incremental build
             # read the chapter again (it compares mtimes), so the HTML shows what just ran.
             os.utime(path)
-            print(f"  {rel}: {result.time:.1f} s")
+            print(f"  {rel}: {result.seconds:.1f} s")
     print(f"execute_chapters: done in {time.time() - start:.0f} s")
     for f in failed:
         print(f, file=sys.stderr)

@@ -69,25 +69,8 @@ SOFT_MARGIN_S = {"bench": 20, "tests": 20, "inspect": 15, "chapters": 10}
 #: there, as cut): a test that long is stuck, and must not take the others' time.
 TEST_LIMIT_S = 60
 
-#: Test files that are not kernel tests: they build the book, drive a browser or read prose.
-NOT_KERNEL_TESTS = {
-    "test_chapters.py",
-    "test_html.py",
-    "test_pages.py",
-    "test_prose.py",
-    "test_publishing.py",
-    "test_colab_edition.py",
-    "test_setup_cell.py",
-    "test_code_width.py",
-    "test_inspect.py",
-    "test_gpu_check.py",
-    "test_bench.py",
-    # pytest-xdist's scheduling on this machine, not the GPU's behaviour (and it fails
-    # under pytest >= 9.2, whatever the GPU machine's pytest is)
-    "test_workers.py",
-}
 #: The dry run's tests: a few fast ones (the interpreter is no GPU).
-DRY_TESTS = ["tests/test_validate.py"]
+DRY_TESTS = ["tests/kernels/test_validate.py"]
 #: normbook.lab, whose specs and pairing import only the standard library.
 LAB = ROOT / "kernels" / "normbook" / "lab"
 #: What executing the chapters needs beyond the GPU machine's own packages.
@@ -173,15 +156,11 @@ def _git(*args) -> str | None:
 
 
 def kernel_test_files() -> list[str]:
-    names = sorted(
-        p.name
-        for p in (ROOT / "tests").glob("test_*.py")
-        if p.name not in NOT_KERNEL_TESTS
-    )
+    names = sorted(p.name for p in (ROOT / "tests" / "kernels").glob("test_*.py"))
     # the most valuable first (pytest-xdist hands out tests roughly in this order): the
     # specs' order
     first = [n for n in _lab("specs").test_files() if n in names]
-    return [f"tests/{n}" for n in first + [n for n in names if n not in first]]
+    return [f"tests/kernels/{n}" for n in first + [n for n in names if n not in first]]
 
 
 def inspector_arch(capability: tuple[int, int]) -> int:
@@ -986,15 +965,9 @@ def execute_chapters(
     cut and not run say "cut": true. ``execute(path, deadline)``: runs one notebook
     (default: nbclient, no cell past the deadline)."""
     if notebooks is None:
-        import yaml
+        import chapters  # tools/chapters.py: the book's one table-of-contents reader
 
-        toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
-        files = [toc["root"]] + [
-            c["file"]
-            for part in toc.get("parts", [{"chapters": toc.get("chapters", [])}])
-            for c in part.get("chapters", [])
-        ]
-        notebooks = [ROOT / f"{f}.ipynb" for f in files]
+        notebooks = chapters.notebooks(ROOT)
     notebooks = [pathlib.Path(p) for p in notebooks if pathlib.Path(p).exists()]
     execute = execute or _execute_notebook
     results: list[dict] = []

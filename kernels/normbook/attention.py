@@ -565,8 +565,8 @@ def bwd_tile_config(head_dim: int, dtype: torch.dtype, capability=None, kernel="
     The dK/dV program holds four key-side tiles (k, v, dk, dv: BLOCK_N × BLOCK_D) for
     its whole life and two query-side tiles per step; the dQ program the reverse. Each
     keeps its long-lived side the larger one. Chosen for 0 spills on sm_90, sm_80 and
-    sm_75 in ``python -m normbook.lab.inspector`` (tests/test_inspect.py; head_dim 128,
-    Triton 3.9). On sm_75 the tiles are multiplied in fp32 (see ``_backward``).
+    sm_75 in ``python -m normbook.lab.inspector`` (tests/lab/test_inspect.py; head_dim
+    128, Triton 3.9). On sm_75 the tiles are multiplied in fp32 (see ``_backward``).
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
     tensor_cores = dtype != torch.float32 and (

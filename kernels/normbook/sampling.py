@@ -354,7 +354,7 @@ def _sample_kernel(
 # order, as the loop above adds them) into the row's search state, then computes its
 # tile's share of the next step. Same tiles, same sums in the same order: the same
 # threshold and the same draw as the single program's loop, bit for bit
-# (tests/test_sampling.py).
+# (tests/kernels/test_sampling.py).
 
 # What a launch merges (MERGE) and produces (PRODUCE): the FANOUT counts or masses of
 # one search pass, the top-p total, or (PRODUCE only) the draw's best score per tile.

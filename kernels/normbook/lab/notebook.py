@@ -43,10 +43,10 @@ def _sharp_figures() -> None:
 
     The text column is about 358 CSS px wide on a 390 px phone; a figure of width W
     points is shown at 358/W of its size there, so a 12 pt label in a 6.4 in (461 pt)
-    figure is about 9.3 px tall (tests/test_pages.py asks for 9). Hence: every text at
-    least ``font.size`` (titles and legends too), figures at most 6.4 in wide, several
-    panels stacked one per row. Text stays text (``svg.fonttype = "none"``), which the
-    page tests can measure.
+    figure is about 9.3 px tall (tests/book/test_pages.py asks for 9). Hence: every text
+    at least ``font.size`` (titles and legends too), figures at most 6.4 in wide,
+    several panels stacked one per row. Text stays text (``svg.fonttype = "none"``),
+    which the page tests can measure.
     """
     try:
         import matplotlib

@@ -7,7 +7,6 @@ why not).
 
 from __future__ import annotations
 
-import os
 import pathlib
 from dataclasses import dataclass, field
 from typing import Callable
@@ -31,8 +30,8 @@ from ..specs import (  # noqa: F401  (the benchmark's shapes, for its users)
     torch_rms_norm,
 )
 
-# $NORMBOOK_BENCH_DIR: read recorded runs from there instead (the tests' fixture).
-DATA_DIR = pathlib.Path(os.environ.get("NORMBOOK_BENCH_DIR") or DATA / "bench")
+#: The recorded runs (a test points it at its fixture).
+DATA_DIR = DATA / "bench"
 
 PROVIDERS = ["normbook", "torch eager", "torch.compile", "liger"]
 DO_BENCH = (

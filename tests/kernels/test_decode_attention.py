@@ -16,6 +16,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from attention_bounds import error_bound
 from conftest import (
     LOW_PRECISION,
     UNIT_ROUNDOFF,
@@ -23,7 +24,6 @@ from conftest import (
     on_cpu,
     randn,
 )
-from test_attention import error_bound
 
 from normbook import DEVICE, decode_attention
 from normbook import reference as ref
@@ -69,7 +69,7 @@ def lens(values, dtype=torch.int32):
 
 
 def assert_within_bound(out, q, k, v, lengths, window=None, scale=None):
-    """Per row, test_attention's bound for bottom-right causal attention over the row's keys,
+    """Per row, attention_bounds.error_bound for bottom-right causal attention over the row's keys,
     plus the merge: each chunk merge rescales (m, ℓ, acc) by two exp2 and adds, about 4
     fp32 roundings per chunk, relative to Σ p|v|. A mask off by one key or a chunk
     merged twice or not at all moves the output by ~|v|/n, far above this at these sizes."""
@@ -141,6 +141,7 @@ def test_paged_equals_contiguous_bitwise(dtype, page, poison_empty):
     )
 
 
+@pytest.mark.slow  # large batches: a minute or more each on a CPU
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
 def test_row_bits_do_not_depend_on_the_batch(dtype):
     """Row 0 alone, then in batches of other sizes, with other rows' lengths (shorter, longer,

@@ -16,6 +16,8 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.slow  # a fresh interpreter per case: left out of --quick
+
 # Every public kernel once, on tiny inputs, against plain PyTorch on the same device. The bounds
 # are loose (1e-4 relative in fp32) because this test is about *running*; accuracy has its own tests.
 SCRIPT = textwrap.dedent("""

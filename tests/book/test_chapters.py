@@ -4,10 +4,11 @@ import json
 import subprocess
 import sys
 
+import chapters
 import pytest
-from book_build import ROOT, chapter_notebooks
+from book_build import ROOT
 
-CHAPTERS = [p.stem for p in chapter_notebooks()]
+CHAPTERS = [p.stem for p in chapters.notebooks()]
 
 
 @pytest.mark.parametrize("name", CHAPTERS)
@@ -28,7 +29,7 @@ def test_chapter_writes_nothing_to_stderr(executed_book, name):
     )
 
 
-@pytest.mark.parametrize("path", chapter_notebooks(), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", chapters.notebooks(), ids=lambda p: p.stem)
 def test_chapter_is_stored_clean(path):
     nb = json.loads(path.read_text())
     for i, cell in enumerate(nb["cells"]):
@@ -71,7 +72,6 @@ def test_config_executes_every_chapter_and_fails_on_error():
 def test_execution_cache_key_covers_what_chapters_depend_on(tmp_path, monkeypatch):
     """The stamp changes with any file of kernels/, the requirements or pyproject.toml (and the
     versions): then tools/execute_chapters.py clears the cache and every chapter runs again."""
-    sys.path.insert(0, str(ROOT / "tools"))
     import execute_chapters
 
     for name in (
@@ -94,7 +94,7 @@ def test_execution_cache_key_covers_what_chapters_depend_on(tmp_path, monkeypatc
     assert execute_chapters.stamp() == before  # and nothing else moves it
 
 
-@pytest.mark.parametrize("path", chapter_notebooks(), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", chapters.notebooks(), ids=lambda p: p.stem)
 def test_chapter_names_its_kernel(path):
     """Colab and Jupyter Book choose the kernel from the notebook's metadata."""
     nb = json.loads(path.read_text())
@@ -103,39 +103,37 @@ def test_chapter_names_its_kernel(path):
     )
 
 
-def test_a_kernel_failing_outside_any_cell_is_executed_once_more(tmp_path):
-    """tools/execute_chapters.py: a kernel that fails outside the chapter's cells (nbclient's
-    clean-up race under load, which once failed a fresh-clone run's miniature book) gets one
-    more try from the chapter's file; a cell's error or timeout is the chapter's, not retried."""
-    import types
-
+def test_a_kernel_failing_outside_any_cell_is_executed_once_more(tmp_path, monkeypatch):
+    """tools/chapters.py: a kernel that fails outside the chapter's cells (nbclient's clean-up
+    race under load) gets one more try from the chapter's file; a cell's error or timeout is
+    the chapter's, not retried."""
+    nbformat = pytest.importorskip("nbformat")
     pytest.importorskip("nbclient")
-    sys.path.insert(0, str(ROOT / "tools"))
-    import execute_chapters
     from nbclient.exceptions import CellExecutionError, CellTimeoutError
 
-    def executor_failing_with(*errors):
+    path = tmp_path / "chapter.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(metadata={"read": "fresh"}), path)
+    stale = nbformat.v4.new_notebook(metadata={"read": "stale"})
+
+    def kernel_failing_with(*errors):
         calls = []
 
-        def executor(nb, **kwargs):
-            calls.append(nb)
-            err = errors[len(calls) - 1] if len(calls) <= len(errors) else None
-            return types.SimpleNamespace(err=err)
+        def run(nb, path, timeout):
+            calls.append(nb.metadata["read"])
+            return errors[len(calls) - 1] if len(calls) <= len(errors) else None
 
-        return executor, calls
+        monkeypatch.setattr(chapters, "_run", run)
+        return calls
 
-    path = tmp_path / "chapter.ipynb"
-    executor, calls = executor_failing_with(AssertionError())
-    nb, result = execute_chapters.execute(path, "stale", executor, lambda p: "fresh")
-    assert result.err is None and calls == ["stale", "fresh"] and nb == "fresh"
-    executor, calls = executor_failing_with(AssertionError(), AssertionError())
-    assert (
-        execute_chapters.execute(path, "a", executor, lambda p: "b")[1].err is not None
-    )
+    calls = kernel_failing_with(RuntimeError("kernel died"))
+    done = chapters.execute(path, nb=stale, root=tmp_path)
+    assert done.error is None and calls == ["stale", "fresh"]
+    assert done.nb.metadata["read"] == "fresh"
+    calls = kernel_failing_with(RuntimeError("died"), RuntimeError("died again"))
+    done = chapters.execute(path, nb=stale, root=tmp_path)
     assert len(calls) == 2  # once more, not forever
+    assert "chapter.ipynb could not be executed: RuntimeError: died again" in done.error
     for err in (CellExecutionError("x", "NameError", "y"), CellTimeoutError("late")):
-        executor, calls = executor_failing_with(err)
-        assert (
-            execute_chapters.execute(path, "a", executor, lambda p: "b")[1].err is err
-        )
-        assert calls == ["a"]
+        calls = kernel_failing_with(err)
+        done = chapters.execute(path, nb=stale, root=tmp_path)
+        assert done.exception is err and done.error and calls == ["stale"]

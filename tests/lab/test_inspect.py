@@ -9,16 +9,16 @@ fp64, which the gradient checks launch, at the odd sizes).
 
 The first run compiles a few hundred variants per architecture (minutes, in parallel over the
 CPU's cores); results are cached by Triton's version, kernel source and specialization, so later
-runs take seconds. The table is computed once per test run, in a background process that
-conftest.py starts at collection (run_once.py), and these tests run last: the kernel tests use
-the cores meanwhile, and every xdist worker reads the same table.
+runs take seconds. The table is computed once per test run, in a background process that the
+plugin scheduling.py starts at collection (inspector_step.py), and these tests run last: the
+kernel tests use the cores meanwhile, and every xdist worker reads the same table.
 """
 
 import json
 import os
 
+import inspector_step
 import pytest
-import run_once
 
 from normbook.lab import inspector as inspector
 
@@ -60,18 +60,12 @@ DECODE_ONLY = {"decode_attention", "decode_attention.paged"}
 #: Index loads besides the row loads: the paged cache reads one int32 block number per key.
 INDEX_GATHERS = {("decode_attention.paged", "forward"): "Table"}
 
-#: Today's failures, one entry per (check, arch, call, phase). Each is an expected failure that
-#: must fail (strict): when a redesign fixes it, the test turns red until its entry is removed.
-#: First measured on the kernels of main at c3ad806 (triton 3.9.0), identical on sm_90, sm_80,
-#: sm_75; the RMSNorm and LayerNorm entries (backward spills from N = 16,384, LayerNorm forward
-#: at N = 32,768) were removed when the redesigned kernels stopped spilling. What remains:
-#: row_variance's one-pass and Welford spills went when their tiles were capped (STATE_TILE).
-#: What remains:
+#: The known failures, one entry per (check, arch, call, phase), measured with Triton 3.9 on
+#: sm_90, sm_80 and sm_75. Each is an expected failure that must fail (strict): when a
+#: redesign fixes it, the test turns red until its entry is removed.
 #: - vector: qk_norm_rope loads q, k, cos and sin 64 bits at a time (each half of a head
 #:   separately, for the rotation), not 128.
 #: - vector: qk_norm_rope's backward loads cos and sin the same way.
-#: attention's sm_75 spills went when the inspector's CPU tensors stopped hiding the arch from
-#: attention.tile_config (it had picked the tensor-core tiles for sm_75).
 #: - spills: attention's backward in fp32 on sm_90, the dK/dV kernel at one decode shape
 #:   (seq 8, whose lengths are not multiples of 16): 32 bytes at 80 registers; its bench
 #:   shapes and the other archs and dtypes do not spill.
@@ -84,15 +78,12 @@ KNOWN_TO_FAIL = {
     ]
 } | {("spills", 90, "attention", "backward")}
 
-#: The declared floor, Triton 3.6 (the GPU machine's), where it spills and 3.9 does not.
-#: Measured 2026-12-01 on the kernels of main at e933055 (torch 2.11.0, triton 3.6.0, numpy
-#: 2.5.2; every variant of this file's table on sm_90, sm_80 and sm_75; 0 failing to compile):
-#: one entry, sm_75's attention backward, the dK/dV kernel in fp16 at the decode shapes of one
-#: token (M = 1, N = 4096 and 8192; BLOCK_M 16, BLOCK_N 32, 8 warps): 80 registers and 44 B
-#: stored / 28 B loaded, where 3.9 spills nothing (89 registers at N = 4096). The earlier
-#: entries (_rms_norm_bwd fp16/bf16 at N = 2048, _sample_kernel at N >= 8192, sm_90) no
-#: longer spill under 3.6 at any benchmark or decode shape, on any of the three archs.
-#: Every KNOWN_TO_FAIL entry fails under 3.6 as under 3.9 (sm_90's attention backward at
+#: The declared floor, Triton 3.6 (the GPU machine's), where it spills and 3.9 does not
+#: (torch 2.11.0, triton 3.6.0, numpy 2.5.2; every variant of this file's table on sm_90,
+#: sm_80 and sm_75; none failing to compile): sm_75's attention backward, the dK/dV kernel
+#: in fp16 at the decode shapes of one token (M = 1, N = 4096 and 8192; BLOCK_M 16,
+#: BLOCK_N 32, 8 warps): 80 registers and 44 B stored / 28 B loaded, where 3.9 spills
+#: nothing (89 registers at N = 4096). Every KNOWN_TO_FAIL entry fails under 3.6 as under 3.9 (sm_90's attention backward at
 #: more shapes: fp32 at every bench shape, 12 B / 8 B). Not strict: an expected failure
 #: under Triton < 3.9 only.
 _TRITON = tuple(int(p) for p in __import__("triton").__version__.split(".")[:2])
@@ -109,38 +100,14 @@ SINGLE_ELEMENT_GATHERS = {("cross_entropy", "forward"): "X"}
 _ELEMENT_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "fp64": 64}
 
 
-STEP_DIR, STEP = inspector.ROOT / "_build", "test-inspect"  # run_once.py's step
-
-
-def _compute_rows():
-    rows = inspector.survey()
-    # Where the rows were read from the recorded table, a random unit per call is compiled
-    # again from nothing, to check that the table still says what the compiler says. The seed
-    # is new every run (INSPECT_VERIFY_SEED repeats one).
-    verified = None
-    if inspector.recorded():
-        seed = int(
-            os.environ.get("INSPECT_VERIFY_SEED")
-            or int.from_bytes(os.urandom(4), "big")
-        )
-        verified = inspector.verify_recorded(rows, seed)
-    return {"rows": rows, "verified": verified}
-
-
-def inspector_rows():
-    """Every variant's row, and the check of the recorded table, computed once per test run
-    (the background step's entry point)."""
-    return run_once.once(STEP_DIR, STEP, _compute_rows)
-
-
 @pytest.fixture(scope="session")
 def inspector_table():
-    return inspector_rows()["rows"]
+    return inspector_step.rows()["rows"]
 
 
 @pytest.fixture(scope="session")
 def inspector_verification():
-    return inspector_rows()["verified"]
+    return inspector_step.rows()["verified"]
 
 
 def _params(check):
@@ -423,7 +390,7 @@ def test_a_variant_two_processes_need_is_compiled_once(monkeypatch, tmp_path):
 
     monkeypatch.setattr(inspector, "CACHE", tmp_path)
     # and both threads the first to read the recorded table in this process (two threads
-    # parsing at once once failed here: CPython's ast.parse is not thread-safe)
+    # parsing at once can fail: CPython's ast.parse is not thread-safe)
     monkeypatch.setattr(inspector, "_RECORDED_CACHE", {})
     monkeypatch.setattr(inspector, "_ANALYSIS_VERSION", [])
     compiled = []
@@ -643,7 +610,7 @@ def test_the_recorded_table_is_read_and_written(monkeypatch, tmp_path):
 
 def test_two_threads_load_the_recorded_table_once(monkeypatch, tmp_path):
     """The table is read, and the reader's version computed (ast.parse, which CPython 3.11 does
-    not run safely in two threads at once: it failed a run here), by one thread while the other
+    not run safely in two threads at once), by one thread while the other
     waits for it: both get the same table, loaded once."""
     import threading
     import time

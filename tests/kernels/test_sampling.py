@@ -349,7 +349,7 @@ def test_bad_arguments_raise_clear_errors(call, exc, words, monkeypatch):
 
 
 # The GPU compiler's view of every sample variant (registers, spills, sm_90/80/75) is
-# tests/test_inspect.py's, like every other kernel's.
+# tests/lab/test_inspect.py's, like every other kernel's.
 
 
 # ------------------------------------------------------------------ top-p at its boundary, and HF

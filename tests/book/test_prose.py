@@ -5,9 +5,9 @@ import collections
 import json
 import pathlib
 
+import chapters
 import pytest
 import yaml
-from book_build import chapter_notebooks
 from prose_check import typed_numbers
 
 ALLOWLIST = yaml.safe_load(
@@ -20,7 +20,7 @@ def _allowed(chapter: str) -> set[str]:
     return {str(e["number"]) for e in entries}
 
 
-@pytest.mark.parametrize("path", chapter_notebooks(), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", chapters.notebooks(), ids=lambda p: p.stem)
 def test_no_typed_number_in_prose(path):
     allowed = _allowed(path.stem)
     found = collections.defaultdict(list)
@@ -31,7 +31,7 @@ def test_no_typed_number_in_prose(path):
                     found[n].append(i)
     assert not found, (
         f"{path.name}: numbers typed in prose (glue them, or list a defined input in "
-        f"tests/prose_allowlist.yml with its reason): "
+        f"tests/book/prose_allowlist.yml with its reason): "
         + ", ".join(f"{n} (cell {cells})" for n, cells in found.items())
     )
 
@@ -44,7 +44,7 @@ def test_allowlist_entries_have_reasons_and_are_used():
             for c in json.loads(p.read_text())["cells"]
             if c["cell_type"] == "markdown"
         )
-        for p in chapter_notebooks()
+        for p in chapters.notebooks()
     }
     for chapter, entries in ALLOWLIST.items():
         for e in entries or []:

@@ -9,7 +9,10 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+#: seconds: the edit loop runs them too (tests/scheduling.py)
+pytestmark = pytest.mark.quick
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 FOLDERS = ["kernels", "tests", "tools", "_ext"]
 
 

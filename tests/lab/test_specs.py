@@ -11,6 +11,9 @@ from normbook.lab import specs
 from normbook.lab.bench import cases, runner
 from normbook.lab.kernel_spec import KernelSpec, Plan
 
+#: seconds: the edit loop runs them too (tests/scheduling.py)
+pytestmark = pytest.mark.quick
+
 
 def toy_scale(x, weight, *, eps=0.0):
     """A stand-in kernel (PyTorch, differentiable): x · weight."""

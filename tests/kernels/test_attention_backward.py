@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from attention_bounds import error_bound
 from conftest import (
     LOW_PRECISION,
     UNIT_ROUNDOFF,
@@ -22,7 +23,6 @@ from conftest import (
     on_cpu,
     randn,
 )
-from test_attention import error_bound
 
 from normbook import DEVICE, attention
 from normbook import reference as ref
@@ -50,7 +50,7 @@ def grad_bounds(q, k, v, do, causal=False, window=None, scale=None):
     * dV = Σ_i round(p) dO_i: (ε_i + u_low + fp32 sum over the group's queries) ·
       Pᵀ|dO|.
     * dP = dO·v (fp32, length D): (D + 4)·2⁻²⁴ · |dO||v|. D_i = dO·Õ uses the forward's
-      stored, rounded output: its error bound (test_attention.error_bound) times |dO|,
+      stored, rounded output: its error bound (attention_bounds.error_bound) times |dO|,
       plus the fp32 dot.
     * dS = round(p (dP − D)): P∘(e_dP + e_D) + ε·P|dP − D| + u_low·|dS|.
     * dQ = scale·dS K and dK = scale·dSᵀQ: the dS errors times |K| (|Q|), plus the fp32

@@ -305,6 +305,7 @@ def test_qwen3_gradients_of_every_parameter():
         assert rel <= 1e-5, f"{name}: relative gradient difference {rel:.3g}"
 
 
+@pytest.mark.slow  # whole models generating: a minute or more each on a CPU
 @pytest.mark.parametrize(
     "build", [qwen3, llama, gemma3], ids=["qwen3", "llama", "gemma3"]
 )

@@ -1,4 +1,4 @@
-"""The casting conventions of normbook.rms_norm and normbook.fused_add_rms_norm (issue 13 §2).
+"""The casting conventions of normbook.rms_norm and normbook.fused_add_rms_norm.
 
 ``casting_mode`` decides where the result is rounded to the input dtype and ``offset`` shifts
 the weight (γ' = offset + γ). Each convention is checked against its float64 model with the
@@ -146,7 +146,7 @@ def test_gemma_matches_gemma3_rmsnorm_on_random_rows(dtype):
 @pytest.mark.parametrize("mode", MODES)
 def test_gradients_with_offset_match_autograd_of_reference(mode):
     """Backward with offset: dx uses γ' = offset + γ, dγ is unchanged (∂γ'/∂γ = 1). fp32 is
-    checked tightly (the gradient's fp32 bound, tests/backward_helpers.py)."""
+    checked tightly (the gradient's fp32 bound, tests/kernels/backward_helpers.py)."""
     from backward_helpers import assert_grad_close
 
     x, w, dy = randn(5, 300, scale=2.0), randn(300, scale=0.3), randn(5, 300)

@@ -1,6 +1,6 @@
-"""The run's shape under pytest-xdist (`make test`: -n auto --dist loadgroup): tests that share
-an xdist group run on one worker, which is what makes a costly shared fixture (conftest.py's
-ONE_WORKER_FIXTURES) or a browser page (test_html.browser_order) load once. A pytest that
+"""The run's shape (the plugin scheduling.py) under pytest-xdist (`make test`: -n auto --dist
+loadgroup): tests that share an xdist group run on one worker, which is what makes a costly
+shared fixture (ONE_WORKER_FIXTURES) or a browser page (browser_order) load once. A pytest that
 stores node ids where pytest-xdist does not look (pytest 9.2 with xdist 3.8) runs every test
 still, and green, but groups nothing: only a check like this one notices."""
 
@@ -13,7 +13,7 @@ import pytest
 GROUPED = """
 import os, pathlib, pytest
 
-OUT = pathlib.Path(os.environ["WORKERS_OUT"])
+OUT = pathlib.Path(OUT_DIR)
 
 @pytest.mark.xdist_group("one")
 @pytest.mark.parametrize("i", range(6))
@@ -30,8 +30,10 @@ def test_free(i):
     importlib.util.find_spec("xdist") is None, reason="needs pytest-xdist"
 )
 def test_an_xdist_group_runs_on_one_worker(tmp_path):
-    (tmp_path / "test_grouped.py").write_text(GROUPED)
     out = tmp_path / "out"
+    (tmp_path / "test_grouped.py").write_text(
+        GROUPED.replace("OUT_DIR", repr(str(out)))
+    )
     out.mkdir()
     proc = subprocess.run(
         [
@@ -55,7 +57,6 @@ def test_an_xdist_group_runs_on_one_worker(tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
-        env={**__import__("os").environ, "WORKERS_OUT": str(out)},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     grouped = {(out / f"grouped-{i}").read_text() for i in range(6)}
@@ -66,12 +67,12 @@ def test_an_xdist_group_runs_on_one_worker(tmp_path):
 
 
 def test_one_compute_thread_per_process_unless_asked():
-    """conftest.py: this worker, and a process it starts (a chapter's kernel, the inspector's
-    compiler), compute on OMP_NUM_THREADS threads, 1 unless the caller set it."""
+    """scheduling.py: this worker, and a process it starts (a chapter's kernel, the
+    inspector's compiler), compute on OMP_NUM_THREADS threads, 1 unless the caller set it."""
     import os
 
     import torch
-    from conftest import COMPUTE_THREADS
+    from scheduling import COMPUTE_THREADS
 
     want = int(os.environ["OMP_NUM_THREADS"].split(",")[0])
     assert torch.get_num_threads() == want == COMPUTE_THREADS
@@ -82,3 +83,29 @@ def test_one_compute_thread_per_process_unless_asked():
         timeout=120,
     )
     assert child.returncode == 0 and int(child.stdout) == want
+
+
+def test_a_test_that_changes_its_page_runs_after_the_pages_other_tests():
+    """The browser tests' sort key (scheduling.browser_order): a changes_page test, collected
+    first, runs after the other tests of its page, before the next page. Its shared load is
+    discarded afterwards; run earlier, it would hand the next test of its page moved sliders
+    (or cost it a fresh load)."""
+    import types
+
+    import scheduling
+
+    def item(page, changes=False):
+        marks = {"changes_page": pytest.mark.changes_page.mark} if changes else {}
+        it = types.SimpleNamespace(
+            callspec=types.SimpleNamespace(params={"page_path": page}),
+            fixturenames=["browser", "page_path"],
+            name=page,
+        )
+        it.get_closest_marker = lambda name: marks.get(name)
+        it.add_marker = lambda mark: marks.setdefault(mark.name, mark)
+        return it
+
+    moves, other, next_page = item("book/a", True), item("book/a"), item("book/b")
+    order = sorted([moves, other, next_page], key=scheduling.browser_order)
+    assert order == [other, moves, next_page]
+    assert moves.get_closest_marker("xdist_group").args == ("page-book/a",)

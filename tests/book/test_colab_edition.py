@@ -12,11 +12,14 @@ import os
 import re
 import sys
 
+import chapters
 import pytest
-from book_build import OUT, ROOT, chapter_notebooks, require
+from book_build import OUT, ROOT, require
 
+# The converter, _ext/colab_edition.py, first on the path: tools/ (pyproject.toml's pythonpath)
+# holds the command of the same name.
 sys.path.insert(0, str(ROOT / "_ext"))
-import colab_edition  # noqa: E402  (_ext/colab_edition.py, run by tools/colab_edition.py)
+import colab_edition  # noqa: E402
 
 MYST_ROLE = re.compile(r"\{[\w:.-]+\}`")
 MYST_DIRECTIVE = re.compile(r"^\s*(`{3,}|:{3,})\{[\w:.-]+\}", re.M)
@@ -45,7 +48,7 @@ def edition(executed_book, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("path", chapter_notebooks(), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", chapters.notebooks(), ids=lambda p: p.stem)
 def test_colab_edition_is_plain_markdown_with_absolute_links(
     edition, executed_book, path
 ):
@@ -79,7 +82,7 @@ def test_every_glue_key_resolves_from_an_executed_chapter(executed_book):
     done = [n for n, r in executed_book.items() if r.error is None]
     if not done:
         pytest.skip("no chapter executed in this session")
-    for p in chapter_notebooks():
+    for p in chapters.notebooks():
         if p.stem in done:  # raises colab_edition.Unresolved on a missing value
             colab_edition.build(OUT / "_colab_check", OUT, only=[p.stem])
 
@@ -270,7 +273,7 @@ PLAIN_LINE = re.compile(
 )  # prose the conversion leaves as it is
 
 
-@pytest.mark.parametrize("path", chapter_notebooks(), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", chapters.notebooks(), ids=lambda p: p.stem)
 def test_every_solution_in_the_book_is_folded(edition, path):
     """Each gated solution of the chapter: its code cells hidden, its prose inside <details>."""
     text, code = solution_parts(json.loads(path.read_text()))
@@ -302,6 +305,7 @@ def test_every_solution_in_the_book_is_folded(edition, path):
     assert not shown, f"{path.stem}: solution text in plain view: {shown[:3]}"
 
 
+@pytest.mark.slow  # a Jupyter kernel: left out of --quick
 def test_colab_edition_runs_from_outside_the_repository(edition, tmp_path):
     """The set-up cell and the first code cells of one chapter's Colab edition, in a kernel whose
     working folder is outside the repository."""
@@ -310,7 +314,7 @@ def test_colab_edition_runs_from_outside_the_repository(edition, tmp_path):
     from nbclient import NotebookClient
 
     only = [c for c in os.environ.get("CHAPTERS", "").split(",") if c]
-    path = next((p for p in chapter_notebooks() if not only or p.stem in only), None)
+    path = next((p for p in chapters.notebooks() if not only or p.stem in only), None)
     if path is None:
         pytest.skip("no chapter selected")
     nb = nbformat.read(edition / path.relative_to(ROOT), as_version=4)

@@ -1,5 +1,5 @@
 """Pages that work for every reader, measured in Chromium at 390 px (a phone) and 1366 px (a
-laptop), in the light and the dark theme (tests/page_checks.py holds the measurements).
+laptop), in the light and the dark theme (tests/book/page_checks.py holds the measurements).
 
 - text contrast >= 4.5:1 (WCAG AA) everywhere in <main>, table outputs and code in tables included;
 - figures sharp (SVG, or PNG with twice the pixels shown) and, at 390 px, their text >= 9 CSS px;
@@ -27,7 +27,7 @@ from page_checks import (
     SCROLLING_CODE_JS,
     set_theme_script,
 )
-from test_html import CHROMIUM, NOTEBOOK_PAGES, PAGES, discard, load_page
+from browser_pages import CHROMIUM, NOTEBOOK_PAGES, PAGES, discard, load_page
 
 pytestmark = pytest.mark.skipif(
     CHROMIUM is None, reason="Chromium not installed (apt-get install chromium)"
@@ -40,9 +40,9 @@ VIEWS = [(390, "light"), (390, "dark"), (1366, "light"), (1366, "dark")]
 
 def open_view(browser, server, page_path, width=1366, theme="light"):  # noqa: F811
     """A page at a viewport width and theme; every non-local request is blocked and recorded.
-    Shared with the other tests of that page and width (test_html.load_page): the theme is
-    switched in place. A test that changes the page is marked ``changes_page`` and discards
-    the load when it is done (test_html.discard)."""
+    Shared with the other tests of that page and width (browser_pages.load_page): the theme
+    is switched in place. A test that changes the page is marked ``changes_page`` and discards
+    the load when it is done (browser_pages.discard)."""
     page, _, blocked = load_page(browser, server, page_path, width)
     page.evaluate(f"() => {{ {set_theme_script(theme)} }}")
     assert page.evaluate("document.documentElement.dataset.theme") == theme
@@ -104,8 +104,8 @@ def test_figure_text_legible_on_a_phone(browser, server, page_path):  # noqa: F8
 
 
 # kernels/ files with lines over 88 columns, whose listings (show_source) would scroll at
-# 1366 px. Empty since kernels/ was reformatted to 88 columns (tests/test_code_width.py keeps it
-# so); a file listed here must still have a long line (test_long_line_exemptions_are_still_needed).
+# 1366 px. Empty: kernels/ fits 88 columns (test_code_width.py keeps it so); a file listed
+# here must still have a long line (test_long_line_exemptions_are_still_needed).
 KERNEL_FILES_WITH_LONG_LINES: list[str] = []
 CODE_COLUMNS = 88
 
@@ -361,29 +361,3 @@ def test_interactive_figures_work_offline_and_their_sliders_move_the_data(
         assert not blocked, f"{page_path}: requests left the page: {blocked}"
     finally:
         discard(browser, server, page_path, 390)
-
-
-def test_a_test_that_changes_its_page_runs_after_the_pages_other_tests():
-    """The sort key of conftest.py (test_html.browser_order): a changes_page test, collected
-    first, runs after the other tests of its page, before the next page. Its shared load is
-    discarded afterwards; run earlier, it would hand the next test of its page moved sliders
-    (or cost it a fresh load)."""
-    import types
-
-    import test_html
-
-    def item(page, changes=False):
-        marks = {"changes_page": pytest.mark.changes_page.mark} if changes else {}
-        it = types.SimpleNamespace(
-            callspec=types.SimpleNamespace(params={"page_path": page}),
-            fixturenames=["browser", "page_path"],
-            name=page,
-        )
-        it.get_closest_marker = lambda name: marks.get(name)
-        it.add_marker = lambda mark: marks.setdefault(mark.name, mark)
-        return it
-
-    moves, other, next_page = item("book/a", True), item("book/a"), item("book/b")
-    order = sorted([moves, other, next_page], key=test_html.browser_order)
-    assert order == [other, moves, next_page]
-    assert moves.get_closest_marker("xdist_group").args == ("page-book/a",)

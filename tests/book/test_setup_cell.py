@@ -12,15 +12,15 @@ import shutil
 import sys
 
 import pytest
+import sync_setup_cells
 import yaml
-from book_build import ROOT, chapter_notebooks, require
+from book_build import ROOT, require
 
 require(("nbformat", "nbclient", "ipykernel"))
 import nbformat  # noqa: E402
 from nbclient import NotebookClient  # noqa: E402
 
-sys.path.insert(0, str(ROOT / "tools"))
-import sync_setup_cells  # noqa: E402
+pytestmark = pytest.mark.slow  # a Jupyter kernel per test: left out of --quick
 
 CFG = yaml.safe_load((ROOT / "_config.yml").read_text())
 PIP = f"normbook[book] @ git+{CFG['repository']['url'].rstrip('/')}@{CFG['repository']['branch']}"
@@ -53,7 +53,7 @@ def error_of(cell):
 
 def test_every_chapter_carries_the_generated_cell():
     want = sync_setup_cells.setup_source()
-    for path in chapter_notebooks():
+    for path in chapters.notebooks():
         nb = nbformat.read(path, as_version=4)
         assert sum(want == c.source for c in nb.cells) == 1, (
             f"{path.name}: run tools/sync_setup_cells.py"
@@ -102,7 +102,7 @@ def test_failed_install_in_colab_is_reported_as_such(tmp_path):
     assert err.ename == "RuntimeError"
     assert "Installing this book's packages failed" in err.evalue
     assert f'%pip install "{PIP}"' in err.evalue
-    # not the bare error the reader used to get instead
+    # not the bare ImportError, which names no command
     assert "No module named 'normbook'" not in err.evalue
 
 
@@ -115,7 +115,7 @@ def test_missing_book_extra_is_listed_from_pyproject():
 
 def test_the_wheel_holds_every_package():
     """A Colab reader gets the package from a wheel built from pyproject.toml: a subpackage
-    missing there (normbook.lab.bench once was) is missing in Colab only. The wheel holds
+    missing there is missing in Colab only. The wheel holds
     every package under kernels/ and nothing else at the top level than ``normbook`` (no
     ``kernels``, the name of Hugging Face's package)."""
     import subprocess

@@ -15,8 +15,7 @@ import pytest
 import yaml
 from book_build import ROOT
 
-sys.path.insert(0, str(ROOT / "tools"))
-import configure_repository  # noqa: E402
+import configure_repository
 
 WORKFLOWS = sorted((ROOT / ".github" / "workflows").glob("*.yml"))
 ACTIONLINT = shutil.which("actionlint") or shutil.which(

@@ -1,4 +1,4 @@
-"""Measurements of a rendered page in Chromium, shared by tests/test_pages.py and by hand runs:
+"""Measurements of a rendered page in Chromium, shared by tests/book/test_pages.py and by hand runs:
 text contrast (WCAG 2), figure text size, code blocks that scroll sideways."""
 
 # WCAG 2 contrast of every visible text run in <main> against its effective background: the

@@ -1,4 +1,4 @@
-"""The RMSNorm family's kernels shaped for a GPU (issue 10 §2), checked without one.
+"""The RMSNorm family's kernels shaped for a GPU, checked without one.
 
 * Batch invariance: a row's outputs (y, and dx in the backward) have the same bits whatever
   the number of rows around it. The launch configuration is a function of N and the dtype only

@@ -7,7 +7,6 @@ machinery (cases, providers, bytes, checks, files, provenance), never the number
 import csv
 import importlib.util
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -416,7 +415,7 @@ FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "recorded_run"
 
 
 def test_recorded_run_fixture_reads_like_a_gpu_run():
-    """tests/fixtures/recorded_run/ is laid out as `tools/gpu_check.py --record` lays out
+    """tests/lab/fixtures/recorded_run/ is laid out as `tools/gpu_check.py --record` lays out
     data/bench/: the benchmark's JSON and CSV, and beside them a folder of the same name with
     the measured-against-predicted table. Its GPU is named as a fixture."""
     runs = bench.load_runs(FIXTURE)
@@ -459,7 +458,7 @@ def test_timing_cells_show_a_recorded_run_on_a_cpu(monkeypatch, capsys):
         "torch 2.11.0+cu130",
         "triton 3.6.0",
         "CUDA 13.0",
-        "recorded in tests/fixtures/recorded_run/",
+        "recorded in tests/lab/fixtures/recorded_run/",
     ):
         assert text in out, (text, out)
     forward = [line for line in out.splitlines() if line.startswith("rms_norm.forward")]
@@ -520,7 +519,6 @@ def test_every_plan_entry_is_a_case_and_the_plan_fits_the_gpu_day():
 
 
 def test_plan_smoke_run_rows_in_plan_order(tmp_path):
-    from normbook.lab.bench import plan
 
     cases = "rms_norm.forward,fused_add_rms_norm.backward"
     result = bench.main(
@@ -597,7 +595,8 @@ def cells_for(nb, wanted):
 )
 def test_speed_of_light_chapter_renders_a_recorded_run(tmp_path):
     """The chapter's cells that read data/bench/ (and the cells they need: cells_for), executed
-    with the fixture as data/bench/ ($NORMBOOK_BENCH_DIR), show the run's label, its summary and
+    with the fixture as data/bench/ (a cell after the imports points the benchmark's reader
+    there), show the run's label, its summary and
     the recorded measured-against-predicted table. The rest of the chapter runs in the book's
     own execution, unchanged; only these cells' output depends on a recorded run."""
     import nbformat
@@ -611,27 +610,29 @@ def test_speed_of_light_chapter_renders_a_recorded_run(tmp_path):
         i
         for i, c in enumerate(nb.cells)
         if c.cell_type == "code"
-        and any(
-            s in c.source for s in ("load_runs(", "comparison(", "NORMBOOK_BENCH_DIR")
-        )
+        and any(s in c.source for s in ("load_runs(", "comparison(", "DATA_DIR"))
     ]
     assert len(readers) >= 2, readers  # the summary and the comparison table
     keep = cells_for(nb, readers)
     nb.cells = [c for i, c in enumerate(nb.cells) if i in keep or c.cell_type != "code"]
-    env_before = os.environ.get("NORMBOOK_BENCH_DIR")
-    os.environ["NORMBOOK_BENCH_DIR"] = str(FIXTURE)
-    try:
-        NotebookClient(
-            nb,
-            timeout=600,
-            kernel_name="python3",
-            resources={"metadata": {"path": str(path.parent)}},
-        ).execute()
-    finally:
-        if env_before is None:
-            os.environ.pop("NORMBOOK_BENCH_DIR")
-        else:
-            os.environ["NORMBOOK_BENCH_DIR"] = env_before
+    imports = next(
+        i
+        for i, c in enumerate(nb.cells)
+        if c.cell_type == "code" and "from normbook.lab import bench" in c.source
+    )
+    nb.cells.insert(
+        imports + 1,
+        nbformat.v4.new_code_cell(
+            "import pathlib\n"
+            f"bench.DATA_DIR = bench.report.DATA_DIR = pathlib.Path({str(FIXTURE)!r})"
+        ),
+    )
+    NotebookClient(
+        nb,
+        timeout=600,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(path.parent)}},
+    ).execute()
     text = "\n".join(
         str(o.get("text", "")) + str(o.get("data", {}).get("text/markdown", ""))
         for c in nb.cells

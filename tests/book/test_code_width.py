@@ -3,16 +3,15 @@ cell scrolls sideways and no printed table wraps in the page.
 
 The book's text column holds about 88 characters of code at desktop width (measured in Chromium at
 1366 px, see test_pages.py). Every code cell of every chapter in _toc.yml is checked, chapters added
-later included (all of them fit since norm_placement and qwen3_block were reformatted), and so is
-every line the executed chapters print (a wider one wraps in the page, which breaks a printed
-table's columns).
+later included, and so is every line the executed chapters print (a wider one wraps in the page,
+which breaks a printed table's columns).
 """
 
 import json
 
 import book_build
+import chapters
 import pytest
-from book_build import chapter_notebooks
 
 MAX_COLUMNS = 88
 
@@ -29,7 +28,7 @@ def long_lines(path):
     return out
 
 
-@pytest.mark.parametrize("path", chapter_notebooks(), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", chapters.notebooks(), ids=lambda p: p.stem)
 def test_chapter_code_fits_88_columns(path):
     bad = long_lines(path)
     assert not bad, (
@@ -56,9 +55,7 @@ def test_the_width_check_sees_a_long_line(tmp_path):
 def test_kernel_source_fits_88_columns():
     """The chapters show kernels/ source (normbook.lab.notebook.show_source) in the same column as
     their code cells: every line of the package fits 88 columns too."""
-    import pathlib
-
-    root = pathlib.Path(__file__).resolve().parents[1] / "kernels"
+    root = book_build.ROOT / "kernels"
     bad = [
         f"{p.relative_to(root.parent)}:{i}: {len(line)} columns"
         for p in sorted(root.rglob("*.py"))
@@ -108,7 +105,7 @@ def long_printed_lines(nb: dict) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("path", chapter_notebooks(), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", chapters.notebooks(), ids=lambda p: p.stem)
 def test_printed_output_fits_88_columns(executed_book, path):
     if path.stem not in executed_book:
         pytest.skip("not selected in $CHAPTERS")
