@@ -7,7 +7,6 @@ why not).
 
 from __future__ import annotations
 
-import pathlib
 from dataclasses import dataclass, field
 from typing import Callable
 
