@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from normbook import DEVICE
-from normbook.lab import bench, kernel_spec, specs
+from normbook.lab import bench, kernel_spec, specs, timing
 from normbook.lab.specs import BY_NAME
 
 FIELDS = [
@@ -146,7 +146,7 @@ def _problem(ours):
     x, w = torch.randn(4, 64, device=DEVICE), torch.randn(64, device=DEVICE)
     return bench.Problem(
         (x, w),
-        bench.timing.bytes_moved(x, w, x),
+        timing.bytes_moved(x, w, x),
         ours,
         bench.torch_rms_norm,
         liger=lambda x, w: 1 / 0,
@@ -291,7 +291,7 @@ def test_a_failing_row_is_reported_loudly(monkeypatch, tmp_path, capsys):
             torch.randn(N, device=device, dtype=dtype),
         )
         return bench.Problem(
-            (x, w), bench.timing.bytes_moved(x, w, x), broken, bench.torch_rms_norm
+            (x, w), timing.bytes_moved(x, w, x), broken, bench.torch_rms_norm
         )
 
     monkeypatch.setattr(bench.runner, "CASES", [bench.Case("broken", "forward", build)])
@@ -449,9 +449,9 @@ def test_timing_cells_show_a_recorded_run_on_a_cpu(monkeypatch, capsys):
     monkeypatch.setattr(bench.report, "DATA_DIR", FIXTURE)
     x = torch.randn(4, 256, device=DEVICE, requires_grad=True)
     w = torch.randn(256, device=DEVICE)
-    assert bench.timing.compare({"ours": lambda: normbook.rms_norm(x, w)}, 1) is None
+    assert timing.compare({"ours": lambda: normbook.rms_norm(x, w)}, 1) is None
     out = capsys.readouterr().out
-    assert bench.timing.CPU_NOTE in out
+    assert timing.CPU_NOTE in out
     for text in (
         "Test double GPU",
         "2026-01-02",
@@ -469,11 +469,11 @@ def test_timing_cells_show_a_recorded_run_on_a_cpu(monkeypatch, capsys):
     assert "91.0%" in forward[0] and "97%" in forward[0], forward[0]
     # A cell that differentiates shows the backward too; one that calls no benchmarked kernel,
     # nothing recorded.
-    bench.timing.compare(
+    timing.compare(
         {"fwd+bwd": lambda: torch.autograd.grad(normbook.rms_norm(x, w), x, x)}, 1
     )
     assert "rms_norm.backward" in capsys.readouterr().out
-    bench.timing.compare({"other": lambda: normbook.row_variance(x.detach())}, 1)
+    timing.compare({"other": lambda: normbook.row_variance(x.detach())}, 1)
     assert "Measured on" not in capsys.readouterr().out
 
 
@@ -484,8 +484,8 @@ def test_no_recorded_run_shows_no_gpu_figure(monkeypatch, capsys, tmp_path):
 
     monkeypatch.setattr(bench.report, "DATA_DIR", tmp_path)
     x, w = torch.randn(4, 256, device=DEVICE), torch.randn(256, device=DEVICE)
-    bench.timing.compare({"ours": lambda: normbook.rms_norm(x, w)}, 1)
-    assert capsys.readouterr().out.strip() == bench.timing.CPU_NOTE
+    timing.compare({"ours": lambda: normbook.rms_norm(x, w)}, 1)
+    assert capsys.readouterr().out.strip() == timing.CPU_NOTE
 
 
 def test_plan_run_keeps_its_rows_when_stopped(tmp_path):

@@ -33,7 +33,6 @@ with status 1 (unless only Liger failed). Modules: :mod:`.cases` (the cases),
 writer), :mod:`.plan` (the GPU day), :mod:`.report` (files, reading runs back).
 """
 
-from .. import timing  # noqa: F401
 from .cases import *  # noqa: F401,F403
 from .cli import *  # noqa: F401,F403
 from .report import *  # noqa: F401,F403

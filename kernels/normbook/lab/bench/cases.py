@@ -58,7 +58,7 @@ class Problem:
     Every provider is called as ``fn(*inputs)``. For a backward case, the inputs at
     ``wrt`` get ``requires_grad`` and the timed call is the backward of ``fn(*inputs)``
     with ``grad_outputs``. ``nbytes`` counts each tensor that must be read or written
-    once (timing.bytes_moved).
+    once (normbook.lab.measure.bytes_moved).
     """
 
     inputs: tuple

@@ -11,7 +11,7 @@ import time
 
 from normbook._runtime import DEVICE, default_dtype
 
-from .. import timing
+from .. import measure as timing
 from . import runner
 from .cases import (
     DATA_DIR,

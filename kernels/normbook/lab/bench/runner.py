@@ -19,7 +19,7 @@ import torch
 
 from normbook._runtime import DEVICE, INTERPRET, device_name
 
-from .. import timing
+from .. import measure as timing
 from ..paths import REPO as ROOT
 from .cases import (
     CASES,

@@ -1,0 +1,126 @@
+"""Launch configurations for row-wise kernels (one place, so that every kernel tunes
+alike)."""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# A row up to this many bytes is held in registers and read once.
+MAX_FUSED_BYTES = 65536
+# Block width used when a row is wider than that and is processed in a loop.
+LOOP_BLOCK_N = 4096
+# Aim for at least this many elements per program when rows are short (e.g. head_dim =
+# 128).
+MIN_TILE = 4096
+
+
+@dataclass(frozen=True)
+class RowConfig:
+    BLOCK_M: int
+    BLOCK_N: int
+    SINGLE_BLOCK: bool
+    num_warps: int
+
+
+def row_config(M: int, N: int, element_size: int) -> RowConfig:
+    block_n = triton.next_power_of_2(N)
+    single = block_n * element_size <= MAX_FUSED_BYTES
+    if not single:
+        block_n = LOOP_BLOCK_N
+    block_m = 1
+    if single:
+        block_m = min(max(MIN_TILE // block_n, 1), triton.next_power_of_2(max(M, 1)))
+    num_warps = min(max(block_m * block_n // 256, 1), 16)
+    return RowConfig(block_m, block_n, single, num_warps)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Where statistics are accumulated: fp64 for fp64 inputs (gradient checks), else
+    fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def tl_accumulation_dtype(dtype: torch.dtype):
+    """:func:`accumulation_dtype` as the Triton dtype a kernel's ``ACC`` constexpr
+    takes."""
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+# Passed to every kernel launch (``kernel[grid](..., **LAUNCH)``). FP fusion off: a GPU
+# then rounds every product and sum separately, as Triton's interpreter and PyTorch's
+# eager ops do, so the bits the tests check on a CPU are the bits a GPU computes. These
+# kernels are memory-bound, so the FMAs given up cost no time we expect to measure.
+# Saying it explicitly also silences Triton 3.9's "TRITON_DEFAULT_FP_FUSION is unset"
+# warning.
+LAUNCH = {"enable_fp_fusion": False}
+
+
+# ---------------------------------------------------------------- the RMSNorm family
+#
+# rms_norm and fused_add_rms_norm choose their tiles from N and the dtype only, never
+# from M: the shape of a tile decides how the GPU splits a row's sum over threads, so a
+# configuration that followed M would give a row different bits in a batch of 1 and a
+# batch of 4096 (batch invariance). The limits keep every variant free of register
+# spills and above one CTA per SM (python -m normbook.lab.inspector): a single-block
+# row tile holds at most RMS_FWD_MAX_BLOCK elements in the forward (x only) and
+# RMS_BWD_MAX_BLOCK in the backward (x, dy, γ and the dγ partial sums at once), spread
+# over 16 warps: at most 16 (forward) or 8 (backward) fp32 values per thread and per
+# array.
+RMS_FWD_MAX_BLOCK = 8192
+RMS_BWD_MAX_BLOCK = 4096
+# Wider rows: the forward loops over blocks of RMS_LOOP_BLOCK_N; the backward sweeps
+# column blocks of RMS_BWD_COL_BLOCK, RMS_BWD_COL_ROWS rows at a time
+# (normbook.rms_norm).
+RMS_LOOP_BLOCK_N = 4096
+RMS_BWD_COL_BLOCK = 1024
+RMS_BWD_COL_ROWS = 4
+
+
+def rms_config(N: int, element_size: int, backward: bool = False) -> RowConfig:
+    """Launch configuration of the RMSNorm family's forward (or backward) for rows of N
+    elements.
+
+    A function of N and the element size only (see above). fp64 (gradient checks) halves
+    the single-block limit: its values take two registers each."""
+    block_n = triton.next_power_of_2(max(N, 1))
+    limit = (RMS_BWD_MAX_BLOCK if backward else RMS_FWD_MAX_BLOCK) // max(
+        1, element_size // 4
+    )
+    single = block_n <= limit
+    if not single:
+        block_n = RMS_BWD_COL_BLOCK if backward else RMS_LOOP_BLOCK_N
+    block_m = (
+        max(MIN_TILE // block_n, 1) if single else (RMS_BWD_COL_ROWS if backward else 1)
+    )
+    # The single-block backward holds x, dy, γ and the dγ partials: at 16 warps triton
+    # 3.6's ptxas spilled 8 B at N = 2048 (fp16/bf16); 8 warps spill on neither 3.6 nor
+    # 3.9.
+    warps_cap = 8 if backward and single else 16
+    num_warps = min(max(block_m * block_n // 256, 1), warps_cap)
+    return RowConfig(block_m, block_n, single, num_warps)
+
+
+# Rows of at least RMS_SPLIT_MIN_BYTES are split over programs. The split's second
+# launch reads x again after every row has streamed through, from memory once the
+# tensor passes L2; the single-program loop re-reads its row while it is still in L2,
+# as long as the rows in flight fit there: an H100's 50 MiB L2 over its 132 SMs is
+# about 390 KiB per SM, so a row of 512 KiB (262,144 bf16, 131,072 fp32) misses L2 on
+# its re-read even at one program per SM. From there we expect the split to cost
+# nothing at large M and to gain at decode, where one program per row leaves most SMs
+# idle; below it, the loop (8,192 < N < the limit) spares large batches a third more
+# traffic. Not measured on a GPU.
+RMS_SPLIT_MIN_BYTES = 512 * 1024
+
+
+def rms_split(N: int, element_size: int) -> bool:
+    """Whether the RMSNorm family's forward splits a row over programs (two launches,
+    normbook.rms_norm.split_launches): rows too wide for one block and of at least
+    RMS_SPLIT_MIN_BYTES. A function of N and the element size only, never of M (see
+    above)."""
+    return (
+        N > 0
+        and not rms_config(N, element_size).SINGLE_BLOCK
+        and N * element_size >= RMS_SPLIT_MIN_BYTES
+    )

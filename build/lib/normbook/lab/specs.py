@@ -1,0 +1,657 @@
+"""One spec per public call: what a kernel needs in order to be benchmarked, inspected
+and checked for gradients, said once.
+
+A :class:`KernelSpec` names the public function (``normbook.<name>``) and gives:
+
+* ``inputs(M, N, make)``: its keyword arguments at one shape, every tensor made by
+  ``make`` (random values for the benchmark and the tests, uninitialized memory for the
+  compiler inspector, which never runs them), so that all three build the same call;
+* ``grad``: the arguments differentiated in the backward phase;
+* ``formula``: the PyTorch formula as Hugging Face writes it, called like the kernel;
+* ``liger``: Liger-Kernel's counterpart (a factory), or why there is none;
+* ``nbytes``: the bytes the kernel must move, for GB/s against the copy bandwidth;
+* ``plan``: its shapes on the GPU day, in :data:`SPECS`'s order of value;
+* the inspector's launches: which shape labels, dtypes and extra variants.
+
+Everything that lists kernels is derived from :data:`SPECS`: the benchmark's cases
+(:mod:`normbook.lab.bench.cases`), the GPU day's plan (:func:`gpu_day_plan`), the
+inspector's launches and the inspector tests' list (:func:`inspector_calls`), the
+autograd coverage test, and ``tools/gpu_check.py``'s lists. Adding a kernel: its op
+module, its export in ``normbook/__init__.py``, its float64 formula in
+``normbook/reference.py``, its test file, and its spec here (CONTRIBUTING.md).
+
+The module imports only the standard library at its top (torch and normbook inside the
+builders): ``tools/gpu_check.py`` reads the plan without importing the package.
+"""
+
+from __future__ import annotations
+
+from .kernel_spec import (
+    DTYPES,
+    Entry,
+    KernelSpec,
+    Launch,
+    Make,
+    Plan,
+    Skip,
+    Variant,
+    tiny_inputs,
+    torch_kwargs,
+)
+
+__all__ = ["SPECS", "BY_NAME", "Make", "Skip", "tiny_inputs", "torch_kwargs"]
+
+#: The benchmark's sweep of hidden sizes: 256 … 262,144.
+SWEEP = tuple(256 * 2**i for i in range(11))
+#: Elements of a row-sized tensor in the sweep and on the GPU day: M = ELEMENTS // N
+#: (128 MiB in bf16, larger than any GPU's L2 cache).
+ELEMENTS = 2**26
+SMOKE_SWEEP = (256, 1024)
+SMOKE_ELEMENTS = 2**12
+#: Decode: a few rows (tokens) of a model's hidden size, where a GPU must be filled from
+#: few rows.
+DECODE_M = (1, 8, 64)
+DECODE_N = (4096, 8192)
+SMOKE_DECODE = ((1, 1024),)
+#: Qwen3's head_dim, and its query heads per key head (GQA) in Qwen3-8B.
+HEAD_DIM = 128
+GQA_GROUP = 4
+#: Attention's sequences: at most this many tokens each, M // SEQ of them.
+SEQ = 4096
+VOCAB = 151_936  # Qwen's vocabulary
+#: Decode attention: Qwen3-8B's (query, key/value) heads, and the cache lengths swept.
+DECODE_HEADS = (32, 8)
+DECODE_LENGTHS = (1024, 4096, 16384, 32768)
+DECODE_PAGE = 16  # a paged cache's block size (vLLM's default)
+#: The LM head of Qwen3-8B at a training step of 8,192 tokens: (M, V, d).
+LCE_SHAPE = (8192, VOCAB, 4096)
+
+
+# The GPU day's shapes, (M, N) as the spec's inputs read them.
+ROWS = tuple((ELEMENTS // n, n) for n in (4096, 8192, 32768, 131072))
+DECODE_ROWS = ((1, 4096), (8, 4096), (64, 4096))
+SMOKE_LOGITS = ((4, 1000),)
+
+
+# ---------------------------------------------------------------- formulas (HF's)
+
+
+def torch_rms_norm(x, weight, eps=1e-6):
+    import torch
+
+    xf = x.to(torch.float32)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
+
+
+def torch_layer_norm(x, weight, bias, eps=1e-5):
+    import torch
+
+    return torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def torch_fused_add_rms_norm(x, residual, weight, eps=1e-6):
+    h = x + residual
+    return torch_rms_norm(h, weight, eps), h
+
+
+def _rotate_half(x):
+    import torch
+
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def torch_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=1e-6):
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    qn, kn = torch_rms_norm(q, q_weight, eps), torch_rms_norm(k, k_weight, eps)
+    return qn * c + _rotate_half(qn) * s, kn * c + _rotate_half(kn) * s
+
+
+def torch_swiglu(gate, up):
+    """The MLP's gate as Hugging Face writes it:
+    ``act_fn(gate_proj(x)) * up_proj(x)``."""
+    import torch
+
+    return torch.nn.functional.silu(gate) * up
+
+
+def torch_attention(q, k, v, causal=True):
+    import torch
+
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=bool(causal), enable_gqa=True
+    )
+
+
+def torch_linear_cross_entropy(hidden, weight, target):
+    """As transformers: logits, upcast, cross-entropy."""
+    import torch
+
+    logits = torch.nn.functional.linear(hidden, weight).float()
+    return torch.nn.functional.cross_entropy(logits, target)
+
+
+# ---------------------------------------------------------------- inputs and bytes
+# ``make(*shape, grad=False)`` makes a tensor of the case's dtype; ``make.index(n,
+# high)`` n int64 indices below ``high``; ``make.lengths(n, value)`` n int32 lengths.
+# ``nbytes(inputs, backward)`` counts each tensor that must be read or written once.
+
+
+def _bytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _rows(vectors):
+    """x (M, N) and ``vectors`` weights of N."""
+    names = ("weight", "bias")[:vectors]
+
+    def inputs(M, N, make):
+        return {"x": make(M, N), **{n: make(N) for n in names}}
+
+    return inputs
+
+
+def _rms_norm_bytes(a, backward):
+    x, w = a["x"], a["weight"]
+    # forward: read x, w; write y. backward: read x, w, dy; write dx and dw.
+    return _bytes(x, w, x) if not backward else _bytes(x, w, x, x, w)
+
+
+def _layer_norm_bytes(a, backward):
+    x, w, b = a["x"], a["weight"], a["bias"]
+    # backward: read x, w, dy (b is not needed); write dx, dw and db.
+    return _bytes(x, w, b, x) if not backward else _bytes(x, w, x, x, w, b)
+
+
+def _fused_add_rms_norm_inputs(M, N, make):
+    return {"x": make(M, N), "residual": make(M, N), "weight": make(N)}
+
+
+def _fused_add_rms_norm_bytes(a, backward):
+    x, w = a["x"], a["weight"]
+    if backward:
+        # read h (saved), w, dy and the residual stream's gradient dh; write the
+        # gradient of x + residual (one tensor for both) and dw
+        return _bytes(x, w, x, x, x, w)
+    # read x, residual, w; write y and the residual stream h
+    return _bytes(x, x, w, x, x)
+
+
+def _heads(N):
+    hq = max(1, N // HEAD_DIM)
+    return hq, max(1, hq // GQA_GROUP)
+
+
+def _qk_norm_rope_inputs(M, N, make):
+    """M tokens; N = query heads · head_dim, a quarter as many key heads (GQA)."""
+    (hq, hk), d = _heads(N), HEAD_DIM
+    q, k = make(1, M, hq, d), make(1, M, hk, d)
+    return {
+        "q": q,
+        "k": k,
+        "q_weight": make(d),
+        "k_weight": make(d),
+        "cos": make(1, M, d),
+        "sin": make(1, M, d),
+    }
+
+
+def _qk_norm_rope_bytes(a, backward):
+    # read q, k, both weights, cos, sin; write q_out and k_out
+    return _bytes(*a.values(), a["q"], a["k"])
+
+
+def _softmax_bytes(a, backward):
+    # forward: read x, write y; backward: read y (saved) and dy, write dx
+    return _bytes(a["x"], a["x"]) if not backward else _bytes(a["x"], a["x"], a["x"])
+
+
+def _cross_entropy_inputs(M, N, make):
+    """M rows of logits over a vocabulary of N; the mean loss."""
+    return {"logits": make(M, N), "target": make.index(M, N)}
+
+
+def _cross_entropy_bytes(a, backward):
+    # read the logits (and targets); backward writes their gradient
+    x, t = a["logits"], a["target"]
+    return _bytes(x, t) if not backward else _bytes(x, t, x)
+
+
+def _attention_inputs(M, N, make):
+    """M tokens in causal sequences of at most SEQ; N = query heads · head_dim, GQA."""
+    (hq, hk), d = _heads(N), HEAD_DIM
+    seq = min(M, SEQ)
+    batch = max(1, M // seq)
+    return {
+        "q": make(batch, hq, seq, d),
+        "k": make(batch, hk, seq, d),
+        "v": make(batch, hk, seq, d),
+    }
+
+
+def _attention_bytes(a, backward):
+    q, k, v = a["q"], a["k"], a["v"]
+    # forward: read q, k, v; write the output (no score matrix). backward: read q, k,
+    # v, O, dO (and L, D: one number a row); write dq, dk, dv
+    return _bytes(q, k, v, q) if not backward else _bytes(q, k, v, q, q, q, k, v)
+
+
+def _sample_inputs(M, N, make):
+    # The sampler's tile loads are not held to 128 bits: checked=False.
+    return {"logits": make(M, N, checked=False)}
+
+
+def _sample_bytes(a, backward):
+    # read the logits; write one index per row
+    return _bytes(a["logits"]) + 8 * a["logits"].shape[0]
+
+
+def _swiglu_inputs(M, N, make):
+    """M rows of the MLP's intermediate width N: gate and up."""
+    return {"gate": make(M, N, scale=3.0), "up": make(M, N)}
+
+
+def _swiglu_bytes(a, backward):
+    g = a["gate"]
+    # forward: read gate and up, write y; backward: read gate, up, dy; write dg, du
+    return _bytes(g, g, g) if not backward else _bytes(g, g, g, g, g)
+
+
+def _row_variance_inputs(M, N, make):
+    return {"x": make(M, N)}
+
+
+def _decode_attention_inputs(M, N, make, paged=False):
+    """M requests, one new token each, over a full cache of N tokens (Qwen3-8B's heads;
+    a small model's at N <= 256)."""
+    hq, hk = DECODE_HEADS if N > 256 else (8, 2)
+    d = HEAD_DIM
+    out = {"q": make(M, hq, 1, d), "cache_seqlens": make.lengths(M, N)}
+    if not paged:
+        return {**out, "k_cache": make(M, hk, N, d), "v_cache": make(M, hk, N, d)}
+    blocks = M * (N // DECODE_PAGE)
+    return {
+        **out,
+        "k_cache": make(blocks, hk, DECODE_PAGE, d),
+        "v_cache": make(blocks, hk, DECODE_PAGE, d),
+        "block_table": make.table(M, N // DECODE_PAGE),
+    }
+
+
+def _decode_attention_bytes(a, backward):
+    # read q and the whole cache; write the output
+    return _bytes(a["q"], a["k_cache"], a["v_cache"], a["q"])
+
+
+def _decode_attention_formula(q, k_cache, v_cache, cache_seqlens):
+    """Every query sees every cached key (full caches): SDPA without a mask."""
+    return torch_attention(q, k_cache, v_cache, causal=False)
+
+
+def _decode_attention_shapes(smoke):
+    if smoke:
+        return [(1, 256, "decode")]
+    return [(m, n, "decode") for n in DECODE_LENGTHS for m in DECODE_M]
+
+
+def _linear_cross_entropy_inputs(M, N, make):
+    """M tokens of width d = N through a head of V words (Qwen3's; 1,000 for a tiny
+    head)."""
+    V = LCE_SHAPE[1] if N >= 1024 else 1000
+    return {
+        "hidden": make(M, N),
+        "weight": make(V, N, scale=N**-0.5),
+        "target": make.index(M, V),
+    }
+
+
+def _linear_cross_entropy_bytes(a, backward):
+    h, w = a["hidden"], a["weight"]
+    # read h and W (forward and backward), write dh and dW
+    return _bytes(h, w, h, w)
+
+
+def _linear_cross_entropy_shapes(smoke):
+    """The LM head of Qwen3-8B at 8,192 tokens (smoke: a tiny head)."""
+    return [(64, 8, "lm head")] if smoke else [(LCE_SHAPE[0], LCE_SHAPE[2], "lm head")]
+
+
+# ---------------------------------------------------------------- Liger-Kernel
+
+
+def _liger_op(module: str, attr: str):
+    import importlib
+    import importlib.util
+
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise Skip("liger-kernel is not installed")
+    try:
+        return getattr(importlib.import_module(f"liger_kernel.ops.{module}"), attr)
+    except Exception as exc:  # an old Liger without the op, or one that fails here
+        raise Skip(f"liger_kernel.ops.{module}.{attr} unavailable ({exc!r})") from exc
+
+
+def _liger_rms_norm(backward):
+    import inspect
+
+    fn = _liger_op("rms_norm", "LigerRMSNormFunction")
+    if "in_place" in inspect.signature(fn.forward).parameters:
+        # in_place=False: the default overwrites dy with dx, changing the timed data
+        return lambda x, weight: fn.apply(x, weight, 1e-6, 0.0, "llama", False)
+    return lambda x, weight: fn.apply(x, weight, 1e-6)
+
+
+def _liger_layer_norm(backward):
+    fn = _liger_op("layer_norm", "LigerLayerNormFunction")
+    return lambda x, weight, bias: fn.apply(x, weight, bias, 1e-5)
+
+
+def _liger_fused_add_rms_norm(backward):
+    fn = _liger_op("fused_add_rms_norm", "LigerFusedAddRMSNormFunction")
+    return lambda x, residual, weight: fn.apply(x, residual, weight, 1e-6)
+
+
+def _liger_softmax(backward):
+    fn = _liger_op("softmax", "LigerSoftmaxFunction")
+    return lambda x: fn.apply(x)
+
+
+def _liger_swiglu(backward):
+    if backward:
+        raise Skip(
+            "not compared: Liger's SiLU-mul backward overwrites its saved inputs"
+        )
+    fn = _liger_op("swiglu", "LigerSiLUMulFunction")
+    return lambda gate, up: fn.apply(gate, up)
+
+
+def _liger_linear_cross_entropy(backward):
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except Exception as exc:
+        raise Skip(f"liger-kernel unavailable ({type(exc).__name__})") from exc
+    loss = LigerFusedLinearCrossEntropyLoss()
+    return lambda hidden, weight, target: loss(weight, hidden, target)
+
+
+# ---------------------------------------------------------------- the specs
+
+_FB = {"forward": "forward", "backward": "backward"}
+_NO_FP64 = ("fp32", "fp16", "bf16")
+
+#: In the GPU day's order of value: what a stop at any moment should already have
+#: measured comes first.
+SPECS = (
+    KernelSpec(
+        "rms_norm",
+        _rows(1),
+        ("x", "weight"),
+        {"eps": 1e-6},
+        torch_rms_norm,
+        _liger_rms_norm,
+        _rms_norm_bytes,
+        _FB,
+        plan=Plan(ROWS + DECODE_ROWS),
+        inspect_s=15,
+    ),
+    KernelSpec(
+        "fused_add_rms_norm",
+        _fused_add_rms_norm_inputs,
+        ("x", "residual", "weight"),
+        {"eps": 1e-6},
+        torch_fused_add_rms_norm,
+        _liger_fused_add_rms_norm,
+        _fused_add_rms_norm_bytes,
+        {"forward": "fused add", "backward": "backward"},
+        plan=Plan(ROWS + DECODE_ROWS),
+        inspect_s=18,
+    ),
+    KernelSpec(
+        "layer_norm",
+        _rows(2),
+        ("x", "weight", "bias"),
+        {"eps": 1e-5},
+        torch_layer_norm,
+        _liger_layer_norm,
+        _layer_norm_bytes,
+        _FB,
+        plan=Plan(ROWS + DECODE_ROWS),
+        inspect_s=14,
+    ),
+    KernelSpec(
+        "softmax",
+        _rows(0),
+        ("x",),
+        {},
+        lambda x: _softmax_formula(x),
+        _liger_softmax,
+        _softmax_bytes,
+        _FB,
+        plan=Plan(ROWS),
+        inspect_s=11,
+    ),
+    KernelSpec(
+        "cross_entropy",
+        _cross_entropy_inputs,
+        ("logits",),
+        {},
+        lambda logits, target: _cross_entropy_formula(logits, target),
+        "not compared: Liger's cross-entropy writes its gradient in place",
+        _cross_entropy_bytes,
+        {"forward": "", "backward": ""},
+        plan=Plan(((1024, VOCAB),), (0,), SMOKE_LOGITS),
+        inspect_s=12,
+    ),
+    KernelSpec(
+        "attention",
+        _attention_inputs,
+        ("q", "k", "v"),
+        {"causal": True},
+        torch_attention,
+        "Liger has no attention kernel",
+        _attention_bytes,
+        {"forward": "", "backward": ""},
+        plan=Plan(((1024, 4096), (2048, 4096), (4096, 4096)), (0, 2), ((64, 256),)),
+        # With one token (a decode shape) dq and dk are exactly 0 and both sides return
+        # rounding noise, which a check relative to the largest value cannot judge.
+        min_rows={"backward": 64},
+        inspect_dtypes=_NO_FP64,
+        inspect_s=20,
+    ),
+    KernelSpec(
+        "sample",
+        _sample_inputs,
+        (),
+        {"temperature": 0.0},
+        lambda logits: logits.argmax(-1),
+        "Liger has no sampling kernel",
+        _sample_bytes,
+        {"forward": ""},
+        plan=Plan(((1, VOCAB), (64, VOCAB)), (0, 1), SMOKE_LOGITS),
+        # what a server runs: temperature, top-k and top-p, from a seed
+        variants=(
+            Variant(
+                "top_p", {"temperature": 0.8, "top_k": 50, "top_p": 0.9, "generator": 0}
+            ),
+        ),
+        integer_outputs=True,
+        module="sampling",
+        inspect_s=64,
+    ),
+    KernelSpec(
+        "qk_norm_rope",
+        _qk_norm_rope_inputs,
+        ("q", "k", "q_weight", "k_weight"),
+        {"eps": 1e-6},
+        torch_qk_norm_rope,
+        "Liger has no fused QK-Norm + RoPE",
+        _qk_norm_rope_bytes,
+        {"forward": "forward"},
+        plan=Plan(((4096, 4096), (1, 4096)), (0,)),
+        inspect_s=21,
+    ),
+    KernelSpec(
+        "swiglu",
+        _swiglu_inputs,  # the call's keyword arguments at (M, N)
+        ("gate", "up"),  # what the backward differentiates
+        {},  # fixed keywords of the call
+        torch_swiglu,  # the PyTorch formula, as Hugging Face writes it
+        _liger_swiglu,  # Liger-Kernel's counterpart, or why there is none
+        _swiglu_bytes,  # the bytes it must move: GB/s against the copy
+        _FB,  # benchmarked forward and backward, held to the chapter's targets
+        plan=Plan(((8192, 12288), (1, 12288), (64, 12288))),  # Qwen3-8B's MLP width
+        inspect_s=16,
+    ),
+    KernelSpec(
+        "decode_attention",
+        _decode_attention_inputs,
+        (),
+        {},
+        _decode_attention_formula,
+        "Liger has no decode attention kernel",
+        _decode_attention_bytes,
+        {"forward": ""},
+        _decode_attention_shapes,
+        plan=Plan(((1, 4096), (64, 4096), (8, 32768)), (0, 2), ((1, 256),)),
+        inspect=("decode",),
+        inspect_shapes=((1, 4096), (8, 4096), (64, 4096)),
+        inspect_dtypes=_NO_FP64,
+        variants=(
+            Variant(
+                "paged",
+                {},
+                _NO_FP64,
+                lambda M, N, make: _decode_attention_inputs(M, N, make, True),
+            ),
+        ),
+        inspect_s=14,
+    ),
+    KernelSpec(
+        "linear_cross_entropy",
+        _linear_cross_entropy_inputs,
+        ("hidden", "weight"),
+        {},
+        torch_linear_cross_entropy,
+        _liger_linear_cross_entropy,
+        _linear_cross_entropy_bytes,
+        {"backward": ""},
+        _linear_cross_entropy_shapes,
+        # no torch.compile: the budget goes to every kernel's rows first
+        plan=Plan(((8192, 4096),), (), ((64, 8),)),
+        inspect="its own launches are cross_entropy's kernels between cuBLAS products, "
+        "which the inspector cannot lower",
+    ),
+    KernelSpec(
+        "row_variance",
+        _row_variance_inputs,
+        (),
+        base=False,
+        module="row_stats",
+        variants=tuple(
+            Variant(f"{method}{acc}", {"method": method, **kw}, dtypes)
+            for method in ("two_pass", "one_pass", "welford")
+            # fp32 inputs with statistics accumulated in bf16: the variance chapter
+            for acc, kw, dtypes in (
+                ("", {}, DTYPES),
+                (".bf16acc", {"acc_dtype": "bfloat16"}, ("fp32",)),
+            )
+        ),
+    ),
+    KernelSpec(
+        "speculative_sample",
+        None,
+        inspect="PyTorch, no Triton kernel",
+        integer_outputs=True,
+        module="speculative",
+        tiny=lambda make: {
+            "draft_tokens": make.tokens([[1, 4]]),
+            "draft_probs": make.probs(1, 2, 6),
+            "target_probs": make.probs(1, 3, 6),
+        },
+    ),
+)
+BY_NAME = {s.name: s for s in SPECS}
+
+
+def _softmax_formula(x):
+    import torch
+
+    return torch.softmax(x, dim=-1)
+
+
+def _cross_entropy_formula(logits, target):
+    import torch
+
+    return torch.nn.functional.cross_entropy(logits.float(), target)
+
+
+# ---------------------------------------------------------------- derived lists
+
+
+#: The inspector's shape labels that specs choose among; any other label (the GPU day's
+#: measured shapes) launches every spec whose labels are not restricted.
+LABELS = ("bench", "decode", "odd")
+
+
+def inspector_launches(label: str, M: int, N: int, dtype: str) -> list[Launch]:
+    """What the inspector launches at one (label, M, N) and dtype (:data:`SPECS`)."""
+    out = []
+    for s in SPECS:
+        if not s.inspected or dtype not in s.inspect_dtypes:
+            continue
+        if label in LABELS and label not in s.inspect:
+            continue
+        if s.inspect_shapes and label in LABELS and (M, N) not in s.inspect_shapes:
+            continue
+        if s.base:
+            out.append(Launch(s.name, s, s.inputs, s.kwargs, s.grad))
+        out += [
+            Launch(f"{s.name}.{v.suffix}", s, v.inputs or s.inputs,
+                   {**s.kwargs, **v.kwargs}, ())
+            for v in s.variants
+            if dtype in v.dtypes
+        ]  # fmt: skip
+    return out
+
+
+def inspector_paths() -> list[tuple[str, str]]:
+    """(call, phase) of every inspector launch at any shape and dtype, in spec order."""
+    seen = {}
+    for label in LABELS:
+        shapes = {(m, n) for s in SPECS for m, n in s.inspect_shapes} or {(1, 4096)}
+        for M, N in sorted(shapes | {(1, 4096)}):
+            for dtype in DTYPES:
+                for launch in inspector_launches(label, M, N, dtype):
+                    seen[launch.call, "forward"] = None
+                    if launch.grad:
+                        seen[launch.call, "backward"] = None
+    order = {s.name: i for i, s in enumerate(SPECS)}
+    return sorted(seen, key=lambda cp: order[cp[0].split(".")[0]])
+
+
+def gpu_day_plan() -> list[Entry]:
+    """Every benchmarked direction of every spec with a plan, in order of value."""
+    return [
+        Entry(f"{s.name}.{d}", s.plan.shapes, s.plan.compile_at, s.plan.smoke)
+        for s in SPECS
+        if s.plan
+        for d in s.bench
+    ]
+
+
+def autograd_calls(device) -> dict:
+    """{name: a function returning fresh tiny inputs on ``device``} for the autograd
+    coverage test: every spec, its tensor arguments by name."""
+    from .kernel_spec import Make
+
+    def inputs(spec):
+        return lambda: tiny_inputs(spec, Make(__import__("torch").float32, device))
+
+    return {s.name: inputs(s) for s in SPECS}
+
+
+def test_files() -> list[str]:
+    """The kernel test files in order of value: each spec's, then its backward's."""
+    files = [f"test_{s.module_name}{b}.py" for s in SPECS for b in ("", "_backward")]
+    return list(dict.fromkeys(files))

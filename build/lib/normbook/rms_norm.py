@@ -1,0 +1,800 @@
+r"""RMSNorm forward and backward as Triton kernels, differentiable through
+``torch.autograd``.
+
+.. math:: y_i = \gamma_i \, \frac{x_i}{\sqrt{\tfrac1n \sum_k x_k^2 + \epsilon}}
+
+Forward: one program normalizes ``BLOCK_M`` rows when a row fits in one block (``N`` up
+to 8192 elements, :func:`normbook._config.rms_config`): the row is read from memory once
+and kept in registers. A wider row is split over programs, one per block of 4096
+elements, in two launches (:func:`split_launches`): the first stores each block's sum
+of squares, the second adds a row's sums, forms 1/rms and normalizes its block. The
+choice and the tiles depend on N and the dtype only, never on the number of rows M, so
+a row's bits do not depend on its batch (batch invariance).
+
+Why split: at decode (M = 1 ... 64 rows) one program per row leaves most of a GPU's
+132 SMs idle; split, a row of N elements occupies N / 4096 of them. The cost: the second
+launch reads x again after the first has streamed every row, so when the tensor is
+larger than L2 (the benchmark's 2**26 elements) that read comes from memory, where the
+single-program loop (kept, ``split=False``) re-read its row's blocks while they were
+still in L2. So only rows of at least 512 KiB are split (normbook._config.rms_split:
+past that, the loop's re-read misses L2 too); narrower wide rows keep the loop, which
+we expect to be up to a third faster at large M and slower at decode. Not measured (no
+GPU was at hand). Reading the row
+exactly once would need the programs of a row to share their sums on chip
+(thread-block clusters, sm_90 only), which Triton does not expose. Rows that fit one
+block are not split, even at decode: 1-64 rows of 4096-8192 move at most 1 MiB, less
+than a GPU streams during one launch's latency, so we expect a second launch to cost
+more than the programs it adds would gain.
+
+Backward (vector-Jacobian product, per row, with :math:`\hat x = x/r` and :math:`g =
+\gamma \odot dy`):
+
+.. math:: dx = \frac{1}{r}\Bigl(g - \hat x\,\tfrac1n \sum_k \hat x_k g_k\Bigr),
+          \qquad
+          d\gamma = \textstyle\sum_\text{rows} dy \odot \hat x .
+
+dx is computed row by row like the forward; dγ is reduced over rows deterministically in
+two stages (see :mod:`normbook._reduce`): a fixed number G of programs each store one
+row of a (G, N) buffer of partial sums, once (no read-modify-write), and a small kernel
+adds the rows. G is chosen so that this buffer's traffic is at most 5 % of the bytes the
+backward moves anyway (:func:`backward_plan`). Rows up to 4096 elements are handled
+whole by one program, which keeps x, dy, γ and its dγ partial sums in registers. Wider
+rows take two steps: one program per row computes the correction :math:`c = \tfrac1n
+\sum_k \hat x_k g_k`, then program (p, j) writes dx for column block j of the row tiles
+p, p + G, ... with that block's dγ partial sums in registers. x and dy are read twice on
+that path, as they were by the single-program two-sweep loop it replaces; what goes is
+the per-row read-modify-write of the partial buffer.
+
+Conventions (``casting_mode``, ``offset``; the names are Liger-Kernel's). The scale is
+:math:`\gamma' = \text{offset} + \gamma` (Gemma stores γ around 0 and uses offset 1):
+
+- ``"llama"`` (Llama, Qwen: ``Qwen3RMSNorm``): statistics and x̂ in fp32, x̂ rounded to
+  the input dtype, then multiplied by γ' (formed in fp32, the product rounded once);
+- ``"gemma"`` (``Gemma3RMSNorm``): x̂ · γ' entirely in fp32, one rounding at the end;
+- ``"none"``: every step rounded to the input dtype, as the naive PyTorch code ``x *
+  torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w`` computes it on a bf16/fp16
+  tensor (x² rounded, so fp16 squares overflow past 256; the mean, ε-sum, rsqrt, x·rstd
+  and the product each rounded). A cautionary mode the book measures; the sum itself is
+  accumulated in fp32, as torch's ``mean`` does.
+
+The backward is the gradient of the formula for every convention, computed in fp32 from
+the saved 1/rms (for ``"none"`` that rstd is the rounded one the forward used).
+
+The reciprocal square root is ``div_rn(1, sqrt_rn(v))``: IEEE square root and division,
+each correctly rounded. ``tl.rsqrt`` would lower to ``rsqrt.approx.f32``, the
+instruction behind torch's CUDA ``rsqrt`` (and so Hugging Face's norms on a GPU), but an
+approximation whose last bits the CPU interpreter cannot reproduce; the correctly
+rounded pair gives the same bits in the interpreter, on every GPU and in float64
+references, and costs a few instructions per *row* of a memory-bound kernel.
+"""
+
+import numbers
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _validate
+from ._config import (
+    LAUNCH,
+    RMS_LOOP_BLOCK_N,
+    accumulation_dtype,
+    rms_config,
+    rms_split,
+    tl_accumulation_dtype,
+)
+from ._reduce import num_partials_within, partial_traffic_bytes, sum_partials
+from ._runtime import device_guard
+from ._triton_utils import round_to
+
+# casting_mode -> the MODE constexpr of the kernels
+CASTING_MODES = {"llama": 0, "gemma": 1, "none": 2}
+LLAMA, GEMMA, NONE = 0, 1, 2
+
+
+def check_convention(offset, casting_mode, weight) -> tuple[float, int]:
+    """Validate ``offset`` and ``casting_mode`` (before any launch); returns (offset,
+    MODE)."""
+    if isinstance(offset, bool) or not isinstance(offset, numbers.Real):
+        raise TypeError(f"offset must be a real number, got {type(offset).__name__}")
+    offset = float(offset)
+    if not torch.isfinite(torch.tensor(offset)):
+        raise ValueError(f"offset must be finite, got {offset}")
+    if not isinstance(casting_mode, str) or casting_mode not in CASTING_MODES:
+        raise ValueError(
+            f"casting_mode must be one of {sorted(CASTING_MODES)}, got {casting_mode!r}"
+        )
+    if offset != 0.0 and weight is None:
+        raise ValueError(
+            f"offset={offset} scales the weight (offset + weight): pass a weight"
+        )
+    return offset, CASTING_MODES[casting_mode]
+
+
+@triton.jit
+def _round_if(x, dtype: tl.constexpr, ROUND: tl.constexpr):
+    """``x`` rounded to ``dtype`` and back when ROUND (arithmetic in the input's
+    precision)."""
+    if ROUND:
+        return round_to(x, dtype).to(x.dtype)
+    else:
+        return x
+
+
+@triton.jit
+def _square(x, DT: tl.constexpr, MODE: tl.constexpr):
+    # "none" rounds each square to the input dtype (where fp16 overflows past 256).
+    return _round_if(x * x, DT, MODE == 2)
+
+
+@triton.jit
+def _mean(total, N):
+    """total / N correctly rounded (div_rn; a plain fp32 ``/`` lowers to the approximate
+    ``div.full.f32`` on a GPU, which the interpreter would not reproduce)."""
+    if total.dtype == tl.float64:
+        return total / N  # div.rn.f64: IEEE already
+    else:
+        return tl.math.div_rn(total, tl.zeros_like(total) + N)
+
+
+@triton.jit
+def _rstd(sum_sq, N, eps, row_mask, DT: tl.constexpr, MODE: tl.constexpr):
+    """1 / sqrt(sum_sq / N + eps), IEEE (sqrt_rn, div_rn): the same bits on a GPU and
+    here."""
+    ms = _round_if(_mean(sum_sq, N), DT, MODE == 2)
+    # Padding rows of the last tile read as zeros: give them 1, not 1/0, when eps = 0.
+    v = tl.where(row_mask, _round_if(ms + eps, DT, MODE == 2), 1.0)
+    if v.dtype == tl.float64:
+        # fp64 sqrt and division are IEEE already (sqrt.rn.f64, div.rn.f64)
+        r = 1.0 / tl.sqrt(v)
+    else:
+        r = tl.math.div_rn(tl.full(v.shape, 1.0, v.dtype), tl.sqrt_rn(v))
+    return _round_if(r, DT, MODE == 2)
+
+
+@triton.jit
+def _normalize(
+    x, rstd, w, offset, HAS_WEIGHT: tl.constexpr, DT: tl.constexpr, MODE: tl.constexpr
+):
+    """y = x·rstd·(offset + w) with the roundings of ``MODE``, returned in ``DT``."""
+    y = x * rstd[:, None]
+    if MODE != 1:
+        # llama/none: round the normalized value to the input dtype before the scale.
+        y = round_to(y, DT).to(x.dtype)
+    if HAS_WEIGHT:
+        # γ' formed in fp32; the product formed in fp32 and rounded once below: exactly
+        # a correctly rounded half-precision multiply for llama (and no reliance on the
+        # interpreter's broken bf16 arithmetic). gemma keeps the fp32 product.
+        scale = _round_if(offset + w, DT, MODE == 2)
+        y = y * scale[None, :]
+    return round_to(y, DT)
+
+
+@triton.jit
+def _rms_norm_fwd(
+    X,
+    Y,
+    W,
+    Rstd,  # pointers: input, output, weight, per-row 1/rms (fp32)
+    stride_x,
+    stride_y,  # distance between rows, in elements
+    M,
+    N,
+    eps,
+    offset,  # rows, row length, epsilon, γ' = offset + γ
+    # ACC: accumulation dtype, fp32 (fp64 for fp64 input)
+    HAS_WEIGHT: tl.constexpr,
+    ACC: tl.constexpr,
+    MODE: tl.constexpr,  # casting mode: 0 llama, 1 gemma, 2 none
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SINGLE_BLOCK: tl.constexpr,
+):
+    DT: tl.constexpr = Y.dtype.element_ty
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    rows = rows.to(tl.int64)  # rows * stride can pass 2**31 on a large tensor
+    x_rows = X + rows[:, None] * stride_x
+    y_rows = Y + rows[:, None] * stride_y
+
+    if SINGLE_BLOCK:
+        # The whole row fits in registers: read it once.
+        cols = tl.arange(0, BLOCK_N)
+        mask = row_mask[:, None] & (cols < N)[None, :]
+        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(ACC)
+        # fp32: fp16 squares overflow past 256
+        sum_sq = tl.sum(_square(x, DT, MODE), axis=1)
+    else:
+        # Wider than a block: accumulate the sum of squares block by block, in fp32.
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+        for off in range(0, N, BLOCK_N):
+            cols = off + tl.arange(0, BLOCK_N)
+            mask = row_mask[:, None] & (cols < N)[None, :]
+            x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(ACC)
+            acc += _square(x, DT, MODE)
+        sum_sq = tl.sum(acc, axis=1)
+    rstd = _rstd(sum_sq, N, eps, row_mask, DT, MODE)
+    tl.store(Rstd + rows, rstd, mask=row_mask)
+
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    for i in range(0, n_blocks):
+        # Backwards: the blocks read last are the likeliest to be still in L2.
+        cols = (n_blocks - 1 - i) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = row_mask[:, None] & (cols < N)[None, :]
+        if not SINGLE_BLOCK:
+            # Second read of the row, last block first (see the module docstring).
+            x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(ACC)
+        w = x  # placeholder when there is no weight (never read)
+        if HAS_WEIGHT:
+            w = tl.load(W + cols, mask=cols < N, other=0.0).to(ACC)
+        y = _normalize(x, rstd, w, offset, HAS_WEIGHT, DT, MODE)
+        tl.store(y_rows + cols[None, :], y, mask=mask)
+
+
+# ---------------------------------------------------------------- split rows
+#
+# A row wider than one block (N > the single-block limit of rms_config) is split over
+# programs, one per block of RMS_LOOP_BLOCK_N elements, in two launches: the first
+# stores each block's sum of squares in an (M, blocks) buffer of the accumulation dtype,
+# the second adds a row's sums (one tree over the blocks, fixed by N), forms 1/rms and
+# normalizes its block. The grid is (M, blocks): a decode batch of a few rows occupies
+# M times N / 4096 programs rather than M, and a row's sums are formed the same way in
+# every batch.
+
+
+@triton.jit
+def _rms_norm_fwd_sums(
+    X,
+    stride_x,  # input, distance between its rows
+    Sums,
+    N,  # (M, N_BLOCKS) sums of squares (flat), row length
+    ACC: tl.constexpr,
+    DT: tl.constexpr,
+    MODE: tl.constexpr,
+    N_BLOCKS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    x = tl.load(X + row * stride_x + cols, mask=cols < N, other=0.0).to(ACC)
+    tl.store(Sums + row * N_BLOCKS + block, tl.sum(_square(x, DT, MODE), axis=0))
+
+
+@triton.jit
+def _rms_norm_fwd_apply(
+    X,
+    Y,
+    W,
+    Rstd,
+    Sums,  # input (or h), output, weight, 1/rms, the sums above
+    stride_x,
+    stride_y,
+    N,
+    eps,
+    offset,
+    HAS_WEIGHT: tl.constexpr,
+    ACC: tl.constexpr,
+    MODE: tl.constexpr,
+    N_BLOCKS: tl.constexpr,
+    BLOCKS_P2: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    DT: tl.constexpr = Y.dtype.element_ty
+    rows = tl.program_id(0) + tl.arange(0, 1)
+    block = tl.program_id(1)
+    rows = rows.to(tl.int64)
+    # Every program of a row adds the same sums the same way: the same 1/rms.
+    b = tl.arange(0, BLOCKS_P2)
+    sums = tl.load(
+        Sums + rows[:, None] * N_BLOCKS + b[None, :],
+        mask=(b < N_BLOCKS)[None, :],
+        other=0.0,
+    )
+    rstd = _rstd(tl.sum(sums, axis=1), N, eps, rows >= 0, DT, MODE)
+    if block == 0:
+        tl.store(Rstd + rows, rstd)
+    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (cols < N)[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(
+        ACC
+    )
+    w = x  # placeholder when there is no weight (never read)
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=cols < N, other=0.0).to(ACC)
+    y = _normalize(x, rstd, w, offset, HAS_WEIGHT, DT, MODE)
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y, mask=mask)
+
+
+def split_launches(x2d, y, weight, rstd, eps, offset, mode, sums_kernel, sums_args):
+    """The split forward's two launches (rms_norm's, or fused_add_rms_norm's with its
+    own first kernel, which also writes h: then ``x2d`` is h). ``sums_args``: the first
+    kernel's arguments before the sums buffer (and N)."""
+    M, N = x2d.shape
+    block_n = RMS_LOOP_BLOCK_N
+    n_blocks = triton.cdiv(N, block_n)
+    acc = rstd.dtype
+    sums = torch.empty((M * n_blocks,), dtype=acc, device=x2d.device)
+    w = weight.contiguous() if weight is not None else x2d
+    consts = dict(
+        ACC=tl_accumulation_dtype(acc),
+        MODE=mode,
+        N_BLOCKS=n_blocks,
+        BLOCK_N=block_n,
+        num_warps=block_n // 256,
+        **LAUNCH,
+    )
+    dt = {
+        torch.float32: tl.float32,
+        torch.float16: tl.float16,
+        torch.bfloat16: tl.bfloat16,
+        torch.float64: tl.float64,
+    }[y.dtype]
+    with device_guard(x2d):
+        sums_kernel[(M, n_blocks)](*sums_args, sums, N, DT=dt, **consts)
+        _rms_norm_fwd_apply[(M, n_blocks)](
+            x2d,
+            y,
+            w,
+            rstd,
+            sums,
+            x2d.stride(0),
+            y.stride(0),
+            N,
+            eps,
+            offset,
+            HAS_WEIGHT=weight is not None,
+            BLOCKS_P2=triton.next_power_of_2(n_blocks),
+            **consts,
+        )
+
+
+def _forward(
+    x2d: torch.Tensor,
+    weight,
+    eps: float,
+    offset: float = 0.0,
+    mode: int = LLAMA,
+    split=None,
+):
+    """Launch the kernel on a (M, N) view; returns (y2d, rstd), rstd of shape (M,) in
+    the accumulation dtype. ``split``: None chooses from N and the dtype
+    (:func:`normbook._config.rms_split`); tests force it."""
+    M, N = x2d.shape
+    y = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)
+    acc = accumulation_dtype(x2d.dtype)
+    rstd = torch.empty((M,), dtype=acc, device=x2d.device)
+    if M == 0 or N == 0:
+        return y, rstd.fill_(float("nan") if N == 0 else 0.0)
+    cfg = rms_config(N, x2d.element_size())
+    if split is None:
+        split = rms_split(N, x2d.element_size())
+    if split:
+        split_launches(
+            x2d,
+            y,
+            weight,
+            rstd,
+            eps,
+            offset,
+            mode,
+            _rms_norm_fwd_sums,
+            (x2d, x2d.stride(0)),
+        )
+        return y, rstd
+    # dummy pointer when HAS_WEIGHT is False
+    w = weight.contiguous() if weight is not None else x2d
+    with device_guard(x2d):
+        _rms_norm_fwd[(triton.cdiv(M, cfg.BLOCK_M),)](
+            x2d,
+            y,
+            w,
+            rstd,
+            x2d.stride(0),
+            y.stride(0),
+            M,
+            N,
+            eps,
+            offset,
+            HAS_WEIGHT=weight is not None,
+            ACC=tl_accumulation_dtype(acc),
+            MODE=mode,
+            BLOCK_M=cfg.BLOCK_M,
+            BLOCK_N=cfg.BLOCK_N,
+            SINGLE_BLOCK=cfg.SINGLE_BLOCK,
+            num_warps=cfg.num_warps,
+            **LAUNCH,
+        )
+    return y, rstd
+
+
+@triton.jit
+def _rms_norm_bwd(
+    # pointers: input, weight, 1/rms, upstream grads of y and of x itself, dx, (G, N) dγ
+    # partials
+    X,
+    W,
+    Rstd,
+    DY,
+    DH,
+    DX,
+    DW,
+    stride_x,
+    stride_dy,
+    stride_dh,
+    stride_dx,  # distance between rows, in elements
+    # rows, row length, programs (= rows of DW), γ' = offset + γ
+    M,
+    N,
+    G,
+    offset,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_DH: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Rows that fit in one block: each program reads whole rows once and keeps dγ in
+    registers."""
+    pid = tl.program_id(0)
+    num_tiles = tl.cdiv(M, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    if HAS_WEIGHT:
+        # γ is the same for every row: load it once per program.
+        w = offset + tl.load(W + cols, mask=col_mask, other=0.0).to(ACC)
+    # dγ for this program's rows stays in registers until the end.
+    dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+    # Row tiles pid, pid + G, ...: a fixed assignment, so the dγ partial sums are
+    # reproducible.
+    for tile in range(pid, num_tiles, G):
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < M
+        rows = rows.to(tl.int64)  # rows * stride can pass 2**31 on a large tensor
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(
+            X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0
+        ).to(ACC)
+        dy = tl.load(
+            DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0
+        ).to(ACC)
+        # saved by the forward: no second reduction
+        rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)
+        xhat = x * rstd[:, None]
+        if HAS_WEIGHT:
+            g = dy * w[None, :]
+        else:
+            g = dy
+        # The rank-one part of the Jacobian needs one dot product per row: c = mean(x̂ ⊙
+        # g).
+        c = _mean(tl.sum(xhat * g, axis=1), N)
+        dx = (g - xhat * c[:, None]) * rstd[:, None]
+        if HAS_DH:
+            # fused_add_rms_norm: the gradient reaching h = x + r directly adds to the
+            # norm's.
+            dx += tl.load(
+                DH + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0
+            ).to(ACC)
+        tl.store(
+            DX + rows[:, None] * stride_dx + cols[None, :],
+            round_to(dx, DX.dtype.element_ty),
+            mask=mask,
+        )
+        if COMPUTE_DW:
+            dw_acc += dy * xhat  # masked rows and columns load as 0 and add nothing
+    if COMPUTE_DW:
+        # Each program's row of partial sums is stored once: no read-modify-write.
+        tl.store(
+            DW + pid.to(tl.int64) * N + cols, tl.sum(dw_acc, axis=0), mask=col_mask
+        )
+
+
+@triton.jit
+def _rms_norm_bwd_dot(
+    # pointers: input, weight, 1/rms, upstream grad, per-row correction
+    X,
+    W,
+    Rstd,
+    DY,
+    C,
+    stride_x,
+    stride_dy,  # distance between rows, in elements
+    N,
+    offset,  # row length, γ' = offset + γ
+    HAS_WEIGHT: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Wide rows, step 1: each row's correction c = mean(x̂ ⊙ γ' ⊙ dy), one program per
+    row."""
+    row = tl.program_id(0).to(tl.int64)
+    rstd = tl.load(Rstd + row)
+    acc = tl.zeros([BLOCK_N], dtype=ACC)
+    for off in range(0, N, BLOCK_N):
+        cols = off + tl.arange(0, BLOCK_N)
+        mask = cols < N
+        xhat = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(ACC) * rstd
+        g = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(ACC)
+        if HAS_WEIGHT:
+            g = g * (offset + tl.load(W + cols, mask=mask, other=0.0).to(ACC))
+        acc += xhat * g
+    # The order of this sum depends on N only: a row's dx does not depend on the batch.
+    tl.store(C + row, _mean(tl.sum(acc, axis=0), N))
+
+
+@triton.jit
+def _rms_norm_bwd_cols(
+    # pointers: ..., per-row correction (step 1), ..., (G, N) dγ partials
+    X,
+    W,
+    Rstd,
+    C,
+    DY,
+    DH,
+    DX,
+    DW,
+    stride_x,
+    stride_dy,
+    stride_dh,
+    stride_dx,  # distance between rows, in elements
+    # rows, row length, programs per column block (= rows of DW), γ' = offset + γ
+    M,
+    N,
+    G,
+    offset,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_DH: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Wide rows, step 2: program (p, j) writes dx for column block j of row tiles p, p
+    + G, ... and keeps that block's dγ partial sums in registers: each partial is stored
+    once."""
+    pid = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    if HAS_WEIGHT:
+        w = offset + tl.load(W + cols, mask=col_mask, other=0.0).to(ACC)
+    dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+    for tile in range(pid, tl.cdiv(M, BLOCK_M), G):
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < M
+        rows = rows.to(tl.int64)
+        mask = row_mask[:, None] & col_mask[None, :]
+        rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)
+        c = tl.load(C + rows, mask=row_mask, other=0.0)
+        x = tl.load(
+            X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0
+        ).to(ACC)
+        dy = tl.load(
+            DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0
+        ).to(ACC)
+        xhat = x * rstd[:, None]
+        if HAS_WEIGHT:
+            g = dy * w[None, :]
+        else:
+            g = dy
+        dx = (g - xhat * c[:, None]) * rstd[:, None]
+        if HAS_DH:
+            dx += tl.load(
+                DH + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0
+            ).to(ACC)
+        tl.store(
+            DX + rows[:, None] * stride_dx + cols[None, :],
+            round_to(dx, DX.dtype.element_ty),
+            mask=mask,
+        )
+        if COMPUTE_DW:
+            dw_acc += dy * xhat
+    if COMPUTE_DW:
+        tl.store(
+            DW + pid.to(tl.int64) * N + cols, tl.sum(dw_acc, axis=0), mask=col_mask
+        )
+
+
+def backward_plan(
+    M: int,
+    N: int,
+    element_size: int,
+    weight_size: int = 0,
+    acc_size: int = 4,
+    sms: int | None = None,
+):
+    """(config, G, column blocks, essential bytes, partial-sum bytes) of the backward at
+    (M, N).
+
+    Essential bytes: what any backward must move (x and dy read, dx written, γ read and
+    dγ written when there is a weight). The partial sums of dγ add ``2·G·N·acc_size``
+    (written once, read once); G is bounded so that this stays within
+    ``MAX_PARTIAL_SHARE`` of the essential bytes
+    (normbook._reduce.num_partials_within)."""
+    cfg = rms_config(N, element_size, backward=True)
+    col_blocks = 1 if cfg.SINGLE_BLOCK else triton.cdiv(N, cfg.BLOCK_N)
+    essential = 3 * M * N * element_size + 2 * N * weight_size
+    G = num_partials_within(
+        triton.cdiv(M, cfg.BLOCK_M), N, essential, acc_size, col_blocks, sms
+    )
+    partial = partial_traffic_bytes(G, N, acc_size) if weight_size else 0
+    return cfg, G, col_blocks, essential, partial
+
+
+def _backward(
+    dy2d: torch.Tensor,
+    x2d: torch.Tensor,
+    weight,
+    rstd: torch.Tensor,
+    compute_dw: bool,
+    offset: float = 0.0,
+    dh2d: torch.Tensor | None = None,
+):
+    """dx (shape of x2d, x's dtype) and dγ (weight's dtype, or None) from the saved
+    forward state.
+
+    ``dh2d``, when given, is a gradient that reaches the normalized tensor directly (the
+    ``h`` output of :func:`normbook.fused_add_rms_norm`): it is added to dx in the same
+    pass."""
+    M, N = x2d.shape
+    dx = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)
+    compute_dw = compute_dw and weight is not None
+    if M == 0 or N == 0:
+        dw = torch.zeros_like(weight) if compute_dw else None  # an empty sum is 0
+        return dx, dw
+    cfg, G, col_blocks, _, _ = backward_plan(
+        M,
+        N,
+        x2d.element_size(),
+        weight.element_size() if compute_dw else 0,
+        rstd.element_size(),
+    )
+    # Partial sums of dγ, one row per program (per column block): each written exactly
+    # once.
+    partial = torch.empty(
+        (G if compute_dw else 1, N), dtype=rstd.dtype, device=x2d.device
+    )
+    # dummy pointer when HAS_WEIGHT is False
+    w = weight.contiguous() if weight is not None else x2d
+    dh = dh2d if dh2d is not None else dy2d  # dummy pointer when HAS_DH is False
+    flags = dict(
+        HAS_WEIGHT=weight is not None,
+        HAS_DH=dh2d is not None,
+        COMPUTE_DW=compute_dw,
+        ACC=tl_accumulation_dtype(rstd.dtype),
+        BLOCK_M=cfg.BLOCK_M,
+        BLOCK_N=cfg.BLOCK_N,
+        num_warps=cfg.num_warps,
+        **LAUNCH,
+    )
+    strides = (x2d.stride(0), dy2d.stride(0), dh.stride(0), dx.stride(0))
+    with device_guard(x2d):
+        if cfg.SINGLE_BLOCK:
+            _rms_norm_bwd[(G,)](
+                x2d, w, rstd, dy2d, dh, dx, partial, *strides, M, N, G, offset, **flags
+            )
+        else:
+            # Step 1: every row's correction; step 2: column blocks with dγ in
+            # registers.
+            c = torch.empty((M,), dtype=rstd.dtype, device=x2d.device)
+            _rms_norm_bwd_dot[(M,)](
+                x2d,
+                w,
+                rstd,
+                dy2d,
+                c,
+                x2d.stride(0),
+                dy2d.stride(0),
+                N,
+                offset,
+                HAS_WEIGHT=weight is not None,
+                ACC=flags["ACC"],
+                BLOCK_N=RMS_LOOP_BLOCK_N,
+                num_warps=RMS_LOOP_BLOCK_N // 256,
+                **LAUNCH,
+            )
+            _rms_norm_bwd_cols[(G, col_blocks)](
+                x2d,
+                w,
+                rstd,
+                c,
+                dy2d,
+                dh,
+                dx,
+                partial,
+                *strides,
+                M,
+                N,
+                G,
+                offset,
+                **flags,
+            )
+    dw = sum_partials(partial, weight.dtype) if compute_dw else None
+    return dx, dw
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """``rms_norm`` with its Triton backward: gradients with respect to x and weight."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset, mode):
+        ctx.x_shape = x.shape
+        ctx.offset = offset
+        if x.numel() == 0:
+            # Nothing to normalize; the gradients are empty (dx) and zero (dγ, an empty
+            # sum).
+            ctx.save_for_backward(None, weight, None)
+            return torch.empty_like(x, memory_format=torch.contiguous_format)
+        x2d = _validate.as_rows(x)
+        y2d, rstd = _forward(x2d, weight, eps, offset, mode)
+        ctx.save_for_backward(x2d, weight, rstd)
+        return y2d.view(x.shape)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x2d, weight, rstd = ctx.saved_tensors
+        if x2d is None:
+            need_dw = weight is not None and ctx.needs_input_grad[1]
+            dw = torch.zeros_like(weight) if need_dw else None
+            return torch.zeros_like(dy), dw, None, None, None
+        dx, dw = _backward(
+            _validate.as_rows(dy),
+            x2d,
+            weight,
+            rstd,
+            ctx.needs_input_grad[1],
+            ctx.offset,
+        )
+        return dx.view(ctx.x_shape), dw, None, None, None
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    *,
+    offset: float = 0.0,
+    casting_mode: str = "llama",
+) -> torch.Tensor:
+    r"""RMSNorm over the last dimension of ``x``: ``y = x / sqrt(mean(x**2) + eps) *
+    (offset + weight)``.
+
+    The default follows the Hugging Face Qwen3/Llama convention: statistics and
+    normalization in fp32, the normalized value rounded to ``x``'s dtype, then
+    multiplied by ``weight``. With ``weight`` in ``x``'s dtype the result equals
+    ``Qwen3RMSNorm`` bit for bit up to the fp32 sum's order; the output always has
+    ``x``'s dtype and shape. ``casting_mode="gemma", offset=1.0`` is ``Gemma3RMSNorm``;
+    see the module docstring for the three conventions.
+
+    Args:
+        x: float32, float16 or bfloat16 tensor of any shape ``(..., N)`` (float64 is
+            accepted and accumulated in float64, for gradient checks). Rows may be
+            strided (last dimension contiguous); other layouts are copied once.
+        weight: ``None`` or a float tensor of shape ``(N,)`` on ``x``'s device.
+        eps: finite, >= 0, added to the mean square inside the square root.
+        offset: finite real; the scale is ``offset + weight`` (Gemma: 1.0). Needs a
+        weight.
+        casting_mode: ``"llama"`` (default), ``"gemma"`` or ``"none"``.
+
+    Differentiable with respect to ``x`` and ``weight`` (Triton backward kernels, see
+    :class:`RMSNormFunction`); without ``requires_grad`` nothing is saved for a backward
+    pass.
+
+    Raises:
+        TypeError / ValueError naming the bad argument, before any kernel is launched.
+    """
+    _validate.check_input(x, "x")
+    n = x.shape[-1]
+    _validate.check_param(weight, "weight", n, x)
+    eps = _validate.check_eps(eps)
+    offset, mode = check_convention(offset, casting_mode, weight)
+    if torch.is_grad_enabled() and (
+        x.requires_grad or (weight is not None and weight.requires_grad)
+    ):
+        return RMSNormFunction.apply(x, weight, eps, offset, mode)
+    # No gradient wanted: launch the forward directly and save nothing.
+    if x.numel() == 0:
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+    y, _ = _forward(_validate.as_rows(x), weight, eps, offset, mode)
+    return y.view(x.shape)

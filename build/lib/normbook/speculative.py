@@ -1,0 +1,196 @@
+r"""Speculative sampling: verify K draft tokens against the target model, exactly.
+
+Leviathan, Kalman & Matias (2023) and Chen et al. (2023). A cheap draft model proposed
+tokens :math:`x_1 … x_K`, :math:`x_i \sim q_i`; the target model scored all of them in
+one pass and gave :math:`p_1 … p_{K+1}`. For each row, in order:
+
+* accept :math:`x_i` with probability :math:`\min(1, p_i(x_i)/q_i(x_i))`;
+* at the first rejection, emit one token drawn from
+  :math:`\mathrm{norm}(\max(0, p_i - q_i))` and stop;
+* if all K are accepted, emit a bonus token drawn from :math:`p_{K+1}`.
+
+Every emitted token is then distributed exactly as :math:`p_i` (the chapter "Decoding
+one token at a time" proves it with sympy): speculation changes the speed, never the
+distribution.
+
+This implementation is PyTorch (vectorized over rows, no Python loop over them), not a
+Triton kernel: its work is K gathers and one inverse-CDF draw over the vocabulary per
+row, a few passes over ``(B, K+1, V)`` probabilities the target's forward pass already
+wrote. Random numbers: one float64 uniform per (row, position) for the acceptance tests
+and one per row for the emitted token, from a CPU ``torch.Generator`` seeded with
+:func:`normbook.sampling.philox_seed`'s 64-bit key, so that results depend only on the
+seed, never on the device.
+"""
+
+import torch
+
+from . import _validate
+from .sampling import _check_args, philox_seed
+
+PROB_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _check(draft_tokens, draft_probs, target_probs, generator):
+    for name, t in (
+        ("draft_tokens", draft_tokens),
+        ("draft_probs", draft_probs),
+        ("target_probs", target_probs),
+    ):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        _validate.check_device(t, name)
+    if draft_tokens.dtype != torch.int64:
+        raise TypeError(
+            f"draft_tokens must be int64 token ids, got {draft_tokens.dtype}"
+        )
+    for name, t in (("draft_probs", draft_probs), ("target_probs", target_probs)):
+        if t.dtype not in PROB_DTYPES:
+            raise TypeError(
+                f"{name} must be floating-point probabilities "
+                f"(float32/float16/bfloat16/float64), got {t.dtype}"
+            )
+        if t.dim() != 3:
+            raise ValueError(
+                f"{name} must have 3 dimensions (batch, position, "
+                f"vocabulary), got shape {tuple(t.shape)}"
+            )
+    if draft_tokens.dim() != 2:
+        raise ValueError(
+            f"draft_tokens must have shape (B, K), got {tuple(draft_tokens.shape)}"
+        )
+    B, K = draft_tokens.shape
+    if draft_probs.shape[:2] != (B, K):
+        raise ValueError(
+            f"draft_probs must have shape ({B}, {K}, V) to match "
+            f"draft_tokens (B, K), got {tuple(draft_probs.shape)}"
+        )
+    V = draft_probs.shape[2]
+    if tuple(target_probs.shape) != (B, K + 1, V):
+        raise ValueError(
+            f"target_probs must have shape ({B}, {K + 1}, {V}): "
+            "(B, K + 1, V) with draft_probs' B, K and V, got "
+            f"{tuple(target_probs.shape)}"
+        )
+    if V == 0:
+        raise ValueError("the vocabulary (last dimension) must not be empty")
+    for name, t in (("draft_probs", draft_probs), ("target_probs", target_probs)):
+        _validate.check_same_device(name, t, "draft_tokens", draft_tokens)
+    # the generator's checks, as normbook.sample
+    _check_args(1.0, None, None, None, generator)
+
+
+def _check_values(draft_tokens, q, p):
+    """Token ids in range, probabilities finite and >= 0, each distribution with
+    positive mass and each draft token possible under its draft distribution. One host
+    synchronization."""
+    V = q.shape[-1]
+    in_range = (draft_tokens >= 0) & (draft_tokens < V)
+    q_x = q.gather(-1, draft_tokens.clamp(0, V - 1)[..., None])[..., 0]
+    flags = torch.stack(
+        [
+            ~in_range.all(),
+            ~(torch.isfinite(q).all() & torch.isfinite(p).all()),
+            (q < 0).any() | (p < 0).any(),
+            ~((q.sum(-1) > 0).all() & (p.sum(-1) > 0).all()),
+            (in_range & (q_x <= 0)).any(),
+        ]
+    ).tolist()
+    if flags[0]:
+        raise ValueError(
+            f"draft_tokens must be in [0, {V}) (the vocabulary), got "
+            f"values in [{int(draft_tokens.min())}, "
+            f"{int(draft_tokens.max())}]"
+        )
+    if flags[1]:
+        raise ValueError("draft_probs and target_probs must be finite (no NaN or inf)")
+    if flags[2]:
+        raise ValueError("draft_probs and target_probs must be >= 0")
+    if flags[3]:
+        raise ValueError(
+            "every distribution in draft_probs and target_probs needs positive mass"
+        )
+    if flags[4]:
+        raise ValueError(
+            "a draft token has draft probability 0: it cannot have been "
+            "drawn from draft_probs"
+        )
+
+
+def _draw(weights, u):
+    """Inverse CDF: for each row of ``weights`` (>= 0, positive sum), the first index
+    whose cumulative weight exceeds u · total, u in [0, 1). A zero-weight token is never
+    drawn (its cumulative weight equals its predecessor's)."""
+    cdf = weights.cumsum(-1)
+    target = u[..., None] * cdf[..., -1:]
+    idx = torch.searchsorted(cdf, target, right=True)[..., 0]
+    return idx.clamp(max=weights.shape[-1] - 1)
+
+
+def speculative_sample(draft_tokens, draft_probs, target_probs, *, generator=None):
+    r"""Verify draft tokens against the target's probabilities.
+
+    Args:
+        draft_tokens: ``(B, K)`` int64, ``draft_tokens[b, i] ~ draft_probs[b, i]``.
+        draft_probs: ``(B, K, V)`` probabilities ``q_i`` of the draft model (float).
+        target_probs: ``(B, K + 1, V)`` probabilities ``p_i`` of the target model at
+            the same positions, plus one past the last draft (the bonus token's).
+        generator: None (a seed from torch's global CPU generator), a
+            ``torch.Generator`` (one seed drawn from it) or an int seed in
+            [0, 2**63): see
+            :func:`normbook.sampling.philox_seed`. The same seed gives the same tokens.
+
+    Returns:
+        ``tokens`` ``(B, K + 1)`` int64: the accepted drafts, then the emitted token
+        (the replacement of the first rejected draft, or the bonus token if all K were
+        accepted), then -1; ``num_accepted`` ``(B,)`` int64 in ``[0, K]``. Each row
+        emits ``num_accepted + 1`` tokens.
+
+    Probabilities need not be normalized exactly: the acceptance test uses the ratio
+    ``p_i(x)/q_i(x)`` as given and the draws normalize ``max(0, p_i − q_i)`` or
+    ``p_{K+1}``. If a rejection leaves no residual mass (``p_i <= q_i`` everywhere,
+    which happens with probability 0 when both sum to 1, but rounding can make it
+    happen), the token is drawn from ``p_i``.
+
+    Raises:
+        TypeError / ValueError naming the argument: shapes (B, K, V mismatches), dtypes
+        (integer probabilities, float token ids), devices, the generator; and, after one
+        host synchronization, token ids out of range, non-finite or negative
+        probabilities, empty distributions, and draft tokens of draft probability 0.
+    """
+    _check(draft_tokens, draft_probs, target_probs, generator)
+    B, K = draft_tokens.shape
+    device = draft_tokens.device
+    if B == 0:
+        empty = torch.empty((0, K + 1), dtype=torch.int64, device=device)
+        return empty, torch.empty((0,), dtype=torch.int64, device=device)
+    q = draft_probs.detach().to(torch.float64)
+    p = target_probs.detach().to(torch.float64)
+    _check_values(draft_tokens, q, p)
+    seed = philox_seed(generator)
+    rng = torch.Generator(device="cpu").manual_seed(seed)
+    u_accept = torch.rand((B, K), generator=rng, dtype=torch.float64).to(device)
+    u_emit = torch.rand((B,), generator=rng, dtype=torch.float64).to(device)
+
+    # Accept x_i iff u_i < p_i(x_i)/q_i(x_i), written u_i · q < p (no division; q > 0).
+    p_x = p[:, :K].gather(-1, draft_tokens[..., None])[..., 0]
+    q_x = q.gather(-1, draft_tokens[..., None])[..., 0]
+    accepted = u_accept * q_x < p_x
+    # drafts before the first "no"
+    num_accepted = accepted.to(torch.int64).cumprod(-1).sum(-1)
+
+    # The emitted token's distribution: the residual at the first rejection, else
+    # p_{K+1}.
+    j = num_accepted
+    p_j = p[torch.arange(B, device=device), j]
+    # q_{K+1} = 0: residual p
+    q_pad = torch.cat([q, q.new_zeros(B, 1, q.shape[2])], dim=1)
+    residual = (p_j - q_pad[torch.arange(B, device=device), j]).clamp(min=0.0)
+    empty = residual.sum(-1, keepdim=True) <= 0
+    residual = torch.where(empty, p_j, residual)
+    emitted = _draw(residual, u_emit)
+
+    positions = torch.arange(K + 1, device=device)[None, :]
+    drafts = torch.cat([draft_tokens, draft_tokens.new_zeros(B, 1)], dim=1)
+    tokens = torch.where(positions < j[:, None], drafts, -1)
+    tokens = torch.where(positions == j[:, None], emitted[:, None], tokens)
+    return tokens, num_accepted
