@@ -93,7 +93,7 @@ DRY_TESTS = ["tests/test_validate.py"]
 #: The dry run's inspector: one kernel's variants (the first compile takes seconds each here).
 DRY_INSPECT_CALLS = ("rms_norm",)
 #: Benchmarked but not a call of the inspector: linear_cross_entropy's own launches are
-#: cross_entropy's kernels between cuBLAS products (kernels/normbook/lab/inspector.py's _calls).
+#: cross_entropy's kernels between cuBLAS products (kernels/normbook/lab/inspector/launches.py's _calls).
 NOT_INSPECTED = {"linear_cross_entropy"}
 #: What executing the chapters needs beyond the GPU machine's own packages.
 CHAPTER_MODULES = ("nbformat", "nbclient", "ipykernel", "plotly")
@@ -707,9 +707,10 @@ def _inspect(run: Run, bench: dict, device: dict) -> None:
         cmd += ["--sms", str(device["sm_count"]), "--gpu-name", str(device["gpu"])]
     record = run.step("inspect", cmd, budget)
     if target.exists() and run.bench_json() is not None:
+        # The inspector's tables, which import nothing of the package's (nor torch)
         inspect = _load_by_path(
-            "normbook_inspector_for_gpu_check",
-            ROOT / "kernels" / "normbook" / "lab" / "inspector.py",
+            "normbook_inspector_report_for_gpu_check",
+            ROOT / "kernels" / "normbook" / "lab" / "inspector" / "report.py",
         )
         table = inspect.measured_vs_predicted(
             json.loads(run.bench_json().read_text()), json.loads(target.read_text())
