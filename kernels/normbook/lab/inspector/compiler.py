@@ -14,6 +14,8 @@ from .ptx import _ptx_sha, analyze_ptx
 from .ptxas import _PTXAS_LOGS, _ptxas, parse_ptxas_log
 from .table import recorded
 
+#: The on-disk cache, read at each use as this module's global: ``--record
+#: --from-scratch`` and the tests point it elsewhere.
 CACHE = pathlib.Path(
     os.environ.get(
         "NORMBOOK_INSPECT_CACHE", pathlib.Path.home() / ".cache" / "normbook-inspect"

@@ -25,7 +25,8 @@ def recorded_path() -> pathlib.Path | None:
     return pathlib.Path(env) if env else None
 
 
-#: What analysis_version hashes: the functions and patterns that make an entry.
+#: What analysis_version hashes: the functions and patterns that make an entry,
+#: wherever they are defined at the top of a module of this package.
 _ANALYSIS = {
     "_access_bits",
     "analyze_ptx",
@@ -67,6 +68,7 @@ def _analysis_version() -> str:
     import ast
 
     parts = []
+    # every module of this package: the reader's code may move between them
     for path in sorted(pathlib.Path(__file__).parent.glob("*.py")):
         for node in ast.parse(path.read_text()).body:
             targets = getattr(node, "targets", [])
