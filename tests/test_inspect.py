@@ -688,6 +688,29 @@ def test_the_ptx_hash_leaves_out_the_paths():
     assert _ptx_sha(a) != _ptx_sha(ptx("/work/main", "v2"))
 
 
+def test_the_child_loads_the_package_without_normbook():
+    """The child fakes CUDA before anything imports normbook (torch, Triton's interpreter
+    flag): loaded from its folder as the child loads it, the package imports none of
+    them, nor does report.py, which tools/gpu_check.py loads alone by path."""
+    import subprocess
+    import sys
+
+    report = inspector.ROOT / "kernels/normbook/lab/inspector/report.py"
+    code = runner._loader("_inspector_alone") + (
+        "import importlib.util as u; "
+        f"r = u.spec_from_file_location('_report_alone', {str(report)!r}); "
+        "r.loader.exec_module(u.module_from_spec(r)); "
+        "importlib.import_module(s.name + '.child'); "
+        "print(sorted({k.split('.')[0] for k in sys.modules} "
+        "& {'torch', 'triton', 'normbook'}))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]"
+
+
 def test_a_variants_key_does_not_name_the_checkouts_path(tmp_path):
     """The libdevice path in the compile options is the virtual environment's: the key hashes
     the options as Triton's own cache does, the library by its content, so a fresh clone

@@ -1,4 +1,5 @@
-"""Registers, spills, stack and shared memory, as ``ptxas -v`` reports them."""
+"""Registers, spills, stack and shared memory, as ``ptxas -v`` reports them: from the
+log of Triton's own ptxas run, kept, or from a run of ours."""
 
 from __future__ import annotations
 

@@ -81,19 +81,25 @@ def _units(archs, dtypes, shapes, calls, call_shapes, units) -> list[tuple]:
 
 
 def _boot() -> str:
-    """The child's program: this package loaded from its folder under a name of its
-    own, so that ``normbook`` (torch, Triton's interpreter flag) is imported only once
-    the child has faked CUDA (:mod:`.child`); none of its modules imports it at the
-    top."""
+    """The child's program: this package loaded as the child's own (:func:`_loader`),
+    then :func:`child.main` on the command line's arguments."""
+    return _loader("_normbook_inspector_child") + (
+        "sys.exit(importlib.import_module(s.name + '.child').main(sys.argv[1:]))"
+    )
+
+
+def _loader(name: str) -> str:
+    """Python that loads this package from its folder under ``name``, so that
+    ``normbook`` (torch, Triton's interpreter flag) is imported only once the child has
+    faked CUDA (:mod:`.child`); none of the package's modules imports it at the top."""
     folder = pathlib.Path(__file__).resolve().parent
     return (
         "import importlib, importlib.util, sys; "
-        "s = importlib.util.spec_from_file_location('_normbook_inspector_child', "
+        f"s = importlib.util.spec_from_file_location({name!r}, "
         f"{str(folder / '__init__.py')!r}, "
         f"submodule_search_locations=[{str(folder)!r}]); "
         "m = importlib.util.module_from_spec(s); sys.modules[s.name] = m; "
         "s.loader.exec_module(m); "
-        "sys.exit(importlib.import_module(s.name + '.child').main(sys.argv[1:]))"
     )
 
 
