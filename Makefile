@@ -64,8 +64,8 @@ test-quick: $(STAMP)
 
 # After editing a kernel (or changing Triton): what the compiler reports for every variant the
 # tests check, written to data/inspect/variants.jsonl for a new machine to read instead of
-# compiling (kernels/normbook/lab/inspector.py). Compiles only what is neither cached nor
-# recorded; FROM_SCRATCH=1 reads nothing and compiles every variant (half an hour on two cores).
+# compiling (kernels/normbook/lab/inspector/). Compiles only what is neither cached nor recorded;
+# FROM_SCRATCH=1 reads nothing and compiles every variant (half an hour on two cores).
 inspect-record: $(STAMP)
 	$(PY) -m normbook.lab.inspector --record $(if $(FROM_SCRATCH),--from-scratch)
 

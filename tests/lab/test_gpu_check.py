@@ -748,8 +748,8 @@ def test_a_measured_row_pairs_only_with_the_inspectors_same_work(monkeypatch):
     records are the ones its call passed."""
     import torch
 
-    from normbook.lab import inspector
     from normbook.lab.bench import cases, plan
+    from normbook.lab.inspector import launches
 
     pairing = _gpu_check()._lab("pairing")
     calls = _recorder(monkeypatch)
@@ -757,7 +757,7 @@ def test_a_measured_row_pairs_only_with_the_inspectors_same_work(monkeypatch):
 
     def inspected(call, phase, M, N):
         calls.clear()
-        ((_, (forward, backward)),) = inspector._calls("plan", M, N, "bf16", {call})
+        ((_, (forward, backward)),) = launches._calls("plan", M, N, "bf16", {call})
         if phase == "forward":
             forward()
         else:

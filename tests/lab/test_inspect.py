@@ -21,6 +21,8 @@ import inspector_step
 import pytest
 
 from normbook.lab import inspector as inspector
+from normbook.lab.inspector import compiler, runner, table
+from normbook.lab.inspector.ptx import _ptx_sha
 
 ARCHS = inspector.ARCHS
 DTYPES = inspector.DTYPES
@@ -388,11 +390,11 @@ def test_a_variant_two_processes_need_is_compiled_once(monkeypatch, tmp_path):
     import threading
     import time
 
-    monkeypatch.setattr(inspector, "CACHE", tmp_path)
+    monkeypatch.setattr(compiler, "CACHE", tmp_path)
     # and both threads the first to read the recorded table in this process (two threads
     # parsing at once can fail: CPython's ast.parse is not thread-safe)
-    monkeypatch.setattr(inspector, "_RECORDED_CACHE", {})
-    monkeypatch.setattr(inspector, "_ANALYSIS_VERSION", [])
+    monkeypatch.setattr(table, "_RECORDED_CACHE", {})
+    monkeypatch.setattr(table, "_ANALYSIS_VERSION", [])
     compiled = []
 
     def slow_compile(*args):
@@ -402,12 +404,12 @@ def test_a_variant_two_processes_need_is_compiled_once(monkeypatch, tmp_path):
         (tmp_path / "0123.json").write_text(__import__("json").dumps(entry))
         return entry
 
-    monkeypatch.setattr(inspector, "_compile", slow_compile)
+    monkeypatch.setattr(compiler, "_compile", slow_compile)
     got = []
     threads = [
         threading.Thread(
             target=lambda: got.append(
-                inspector._compile_and_read(None, None, None, None, None, None, "0123")
+                compiler._compile_and_read(None, None, None, None, None, None, "0123")
             )
         )
         for _ in range(2)
@@ -425,9 +427,9 @@ def test_a_failing_child_fails_the_run(monkeypatch, tmp_path):
     deadline keeps unfinished units, never a crash counted as one."""
     blocker = tmp_path / "cache"
     blocker.write_text("")
-    real = inspector._child_env
+    real = runner._child_env
     monkeypatch.setattr(
-        inspector,
+        runner,
         "_child_env",
         lambda: {
             **real(),
@@ -453,10 +455,10 @@ def test_a_cache_hit_refreshes_the_entrys_time(tmp_path):
     entry = tmp_path / "k.json"
     entry.write_text(json.dumps({"triton": "3.0", "registers": 7}))
     os.utime(entry, (1_000_000, 1_000_000))
-    assert inspector._cached(entry, "3.0") == {"triton": "3.0", "registers": 7}
+    assert compiler._cached(entry, "3.0") == {"triton": "3.0", "registers": 7}
     assert entry.stat().st_mtime > 1_000_000
     os.utime(entry, (1_000_000, 1_000_000))
-    assert inspector._cached(entry, "3.1") is None  # another Triton's: not a hit
+    assert compiler._cached(entry, "3.1") is None  # another Triton's: not a hit
     assert entry.stat().st_mtime == 1_000_000
 
 
@@ -475,7 +477,7 @@ def test_the_recorded_table_covers_the_survey(inspector_table):
             f"compiled"
         )
     assert header.get("analysis") == inspector.analysis_version(), (
-        "kernels/normbook/lab/inspector.py reads the compiler's output differently from when the table was "
+        "normbook.lab.inspector reads the compiler's output differently from when the table was "
         "recorded: record it again from nothing (make inspect-record FROM_SCRATCH=1)"
     )
     variants = {r["variant"] for r in inspector_table if "error" not in r}
@@ -526,8 +528,8 @@ def test_a_wrong_recorded_entry_is_caught(inspector_table, tmp_path):
     for r in right:
         info = inspector.recorded().get(r["variant"])
         if info is None:  # not recorded here (another Triton): the cache's entry
-            info = inspector._cached(
-                inspector.CACHE / f"{r['variant']}.json",
+            info = compiler._cached(
+                compiler.CACHE / f"{r['variant']}.json",
                 __import__("triton").__version__,
             )
         entries[r["variant"]] = dict(info, registers=info["registers"] + 1)
@@ -559,7 +561,7 @@ def test_the_recorded_table_is_read_and_written(monkeypatch, tmp_path):
     another Triton is not read; write_recorded keeps what the rows need, not the PTX."""
     import triton
 
-    monkeypatch.setattr(inspector, "CACHE", tmp_path / "cache")
+    monkeypatch.setattr(compiler, "CACHE", tmp_path / "cache")
     entry = {
         "registers": 40,
         "num_warps": 4,
@@ -584,12 +586,12 @@ def test_the_recorded_table_is_read_and_written(monkeypatch, tmp_path):
     monkeypatch.setenv("NORMBOOK_INSPECT_RECORDED", str(table))
     compiled = []
     monkeypatch.setattr(
-        inspector, "_compile", lambda *a: compiled.append(a) or {"ptx": "p"}
+        compiler, "_compile", lambda *a: compiled.append(a) or {"ptx": "p"}
     )
-    got = inspector._compile_and_read(None, None, None, None, None, None, "k1")
+    got = compiler._compile_and_read(None, None, None, None, None, None, "k1")
     assert got["registers"] == 40 and not compiled
     assert (
-        inspector._compile_and_read(
+        compiler._compile_and_read(
             None, None, None, None, None, None, "k1", need_ptx=True
         )
         == {"ptx": "p"}
@@ -620,11 +622,11 @@ def test_two_threads_load_the_recorded_table_once(monkeypatch, tmp_path):
     def slow_load(path):
         loads.append(path)
         time.sleep(0.3)  # the other thread arrives meanwhile
-        inspector._RECORDED_CACHE[path] = {"k": {"registers": 1}}
-        return inspector._RECORDED_CACHE[path]
+        table._RECORDED_CACHE[path] = {"k": {"registers": 1}}
+        return table._RECORDED_CACHE[path]
 
-    monkeypatch.setattr(inspector, "_RECORDED_CACHE", {})
-    monkeypatch.setattr(inspector, "_load_recorded", slow_load)
+    monkeypatch.setattr(table, "_RECORDED_CACHE", {})
+    monkeypatch.setattr(table, "_load_recorded", slow_load)
     got = []
     threads = [
         threading.Thread(target=lambda: got.append(inspector.recorded(tmp_path / "t")))
@@ -649,8 +651,31 @@ def test_the_ptx_hash_leaves_out_the_paths():
         )
 
     a, b = ptx("/work/main"), ptx("/tmp/clone")
-    assert a != b and inspector._ptx_sha(a) == inspector._ptx_sha(b)
-    assert inspector._ptx_sha(a) != inspector._ptx_sha(ptx("/work/main", "v2"))
+    assert a != b and _ptx_sha(a) == _ptx_sha(b)
+    assert _ptx_sha(a) != _ptx_sha(ptx("/work/main", "v2"))
+
+
+def test_the_child_loads_the_package_without_normbook():
+    """The child fakes CUDA before anything imports normbook (torch, Triton's interpreter
+    flag): loaded from its folder as the child loads it, the package imports none of
+    them, nor does report.py, which tools/gpu_check.py loads alone by path."""
+    import subprocess
+    import sys
+
+    report = inspector.ROOT / "kernels/normbook/lab/inspector/report.py"
+    code = runner._loader("_inspector_alone") + (
+        "import importlib.util as u; "
+        f"r = u.spec_from_file_location('_report_alone', {str(report)!r}); "
+        "r.loader.exec_module(u.module_from_spec(r)); "
+        "importlib.import_module(s.name + '.child'); "
+        "print(sorted({k.split('.')[0] for k in sys.modules} "
+        "& {'torch', 'triton', 'normbook'}))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]"
 
 
 def test_a_variants_key_does_not_name_the_checkouts_path(tmp_path):

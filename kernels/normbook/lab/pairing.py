@@ -96,7 +96,7 @@ def inspect_measured(
     arch: int,
     timeout: float,
     calls=None,
-    gpu_args=(),
+    gpu: dict | None = None,
     jobs=None,
     env=None,
 ) -> dict:
@@ -112,7 +112,7 @@ def inspect_measured(
         units=[(arch, dtype, call, [(LABEL, M, N)]) for call, M, N in todo],
         timeout=timeout,
         partial=True,
-        gpu_args=list(gpu_args),
+        **(gpu or {}),
         jobs=jobs,
         env=env,
     )
@@ -313,21 +313,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-name")
     a = p.parse_args(argv)
     bench = json.loads(pathlib.Path(a.bench).read_text())
-    gpu_args = []
-    for flag, value in (
-        ("--bandwidth-gbps", a.bandwidth_gbps),
-        ("--sms", a.sms),
-        ("--gpu-name", a.gpu_name),
-    ):
-        if value:
-            gpu_args += [flag, str(value)]
+    # the GPU measured, in place of the datasheet's (InspectOptions)
+    gpu = {"bandwidth_gbps": a.bandwidth_gbps, "sms": a.sms, "gpu_name": a.gpu_name}
     calls = {c for c in a.calls.split(",") if c} or None
     print(
         "inspecting, cheap first: "
         + ", ".join(f"{c} {M}x{N}" for c, M, N in units(bench, calls)),
         flush=True,
     )
-    result = inspect_measured(bench, a.arch, a.timeout_s, calls, gpu_args, a.jobs)
+    result = inspect_measured(bench, a.arch, a.timeout_s, calls, gpu, a.jobs)
     write_json(pathlib.Path(a.json), result)
     for u in result["meta"]["units"]:
         print(f"{u['call']} {u['M']}x{u['N']}: {u['status']} ({u['rows']} launches)")

@@ -1,0 +1,96 @@
+"""The GPUs of each architecture, and the model the ``predicted`` column is made of:
+occupancy (CTAs per SM) and Little's law (bytes in flight to sustain the bandwidth)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GPU:
+    """What the occupancy and Little's-law columns need to know about one GPU of an
+    architecture.
+
+    Limits per SM from NVIDIA's CUDA C++ Programming Guide (table "Technical
+    Specifications per Compute Capability"); bandwidth and SM count from the product
+    datasheets."""
+
+    name: str
+    sms: int
+    bandwidth: float  # bytes/s, datasheet peak of the memory
+    max_threads: int  # resident threads per SM
+    max_ctas: int  # resident CTAs per SM
+    regs: int = 65536  # 32-bit registers per SM
+    smem: int = 228 * 1024  # shared memory per SM, bytes
+    # shared memory the system reserves per CTA (sm_80 and newer)
+    smem_reserved: int = 1024
+
+
+GPUS = {
+    90: GPU(
+        "H100 SXM (132 SMs; an H200 has the same SMs and 4.8 TB/s)",
+        132,
+        3.35e12,
+        2048,
+        32,
+    ),
+    80: GPU("A100 SXM4 80GB (108 SMs)", 108, 2.039e12, 2048, 32, smem=164 * 1024),
+    75: GPU("T4 (40 SMs)", 40, 320e9, 1024, 16, smem=64 * 1024, smem_reserved=0),
+}
+
+#: DRAM latency assumed for Little's law, in nanoseconds. Pointer-chasing
+#: microbenchmarks put the unloaded global-memory latency of A100/H100-class GPUs at
+#: several hundred nanoseconds (Chips and Cheese, "Nvidia's H100: Funny L2, and Tons of
+#: Bandwidth", 2023; Jia et al., "Dissecting the NVIDIA Volta GPU Architecture via
+#: Microbenchmarking", 2018, and the Turing T4 sequel, 2019); under load it is higher.
+#: We take a round 600 ns for every architecture: an assumption with its source, not a
+#: measurement, and a parameter (``--latency-ns``).
+LATENCY_NS = 600.0
+
+DTYPES = ("fp32", "fp16", "bf16")
+ARCHS = tuple(GPUS)
+
+
+def occupancy(gpu: GPU, registers: int, num_warps: int, smem: int) -> tuple[int, str]:
+    """Resident CTAs per SM and what limits them (CUDA occupancy calculator's rules:
+    registers are allocated per warp in units of 256)."""
+    regs_per_warp = math.ceil(max(registers, 1) * 32 / 256) * 256
+    limits = {
+        "registers": (gpu.regs // regs_per_warp) // num_warps,
+        "threads": gpu.max_threads // (32 * num_warps),
+        "CTA cap": gpu.max_ctas,
+    }
+    if smem:
+        limits["shared memory"] = gpu.smem // (smem + gpu.smem_reserved)
+    limiter = min(limits, key=limits.get)
+    return limits[limiter], limiter
+
+
+def littles_law_bytes(gpu: GPU, latency_ns: float = LATENCY_NS) -> float:
+    """Bytes one SM must keep in flight to sustain the GPU's bandwidth: bandwidth ×
+    latency / SMs."""
+    return gpu.bandwidth * latency_ns * 1e-9 / gpu.sms
+
+
+def measured_gpu(
+    gpu: GPU,
+    bandwidth_gbps: float | None = None,
+    sms: int | None = None,
+    name: str | None = None,
+) -> GPU:
+    """``gpu`` with what was measured on a real one: the copy bandwidth (GB/s) in place
+    of the datasheet's, so that ``predicted`` becomes a fraction of the *measured* copy
+    bandwidth (the benchmark's ``pct_of_copy``), and the SM count the device reports."""
+    changes = {}
+    if bandwidth_gbps:
+        changes["bandwidth"] = bandwidth_gbps * 1e9
+    if sms:
+        changes["sms"] = sms
+    if name:
+        changes["name"] = (
+            f"{name} ({sms or gpu.sms} SMs, measured copy {bandwidth_gbps or 0:.0f} "
+            "GB/s)"
+        )
+    return dataclasses.replace(gpu, **changes) if changes else gpu
