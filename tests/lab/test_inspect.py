@@ -20,7 +20,7 @@ import os
 import inspector_step
 import pytest
 
-from normbook.lab import inspector as inspector
+from normbook.lab import inspector, specs
 from normbook.lab.inspector import compiler, runner, table
 from normbook.lab.inspector.ptx import _ptx_sha
 
@@ -29,36 +29,9 @@ DTYPES = inspector.DTYPES
 ODD = inspector.ODD_SHAPES
 
 # (call, phase) of every public launch path; a call that launches nothing would be missing rows.
-PATHS = [
-    ("rms_norm", "forward"),
-    ("rms_norm", "backward"),
-    ("layer_norm", "forward"),
-    ("layer_norm", "backward"),
-    ("fused_add_rms_norm", "forward"),
-    ("qk_norm_rope", "forward"),
-    ("fused_add_rms_norm", "backward"),
-    ("qk_norm_rope", "backward"),
-    ("softmax", "forward"),
-    ("softmax", "backward"),
-    ("cross_entropy", "forward"),
-    ("cross_entropy", "backward"),
-    ("attention", "forward"),
-    ("attention", "backward"),
-    ("sample", "forward"),
-    ("row_variance.two_pass", "forward"),
-    ("row_variance.one_pass", "forward"),
-    ("row_variance.welford", "forward"),
-    # fp32 inputs with statistics accumulated in bf16 (the variance chapter's experiment)
-    ("row_variance.two_pass.bf16acc", "forward"),
-    ("row_variance.one_pass.bf16acc", "forward"),
-    ("row_variance.welford.bf16acc", "forward"),
-    ("swiglu", "forward"),
-    ("swiglu", "backward"),
-    # decode attention, at the decode (and odd) shapes only: a KV cache per row
-    ("decode_attention", "forward"),
-    ("decode_attention.paged", "forward"),
-]
-DECODE_ONLY = {"decode_attention", "decode_attention.paged"}
+#: (call, phase) of every launch the inspector makes, from the specs
+#: (normbook.lab.specs.inspector_paths).
+PATHS = specs.inspector_paths()
 #: Index loads besides the row loads: the paged cache reads one int32 block number per key.
 INDEX_GATHERS = {("decode_attention.paged", "forward"): "Table"}
 
@@ -92,9 +65,6 @@ _TRITON = tuple(int(p) for p in __import__("triton").__version__.split(".")[:2])
 FLOOR_MAY_FAIL = (
     {("spills", 75, "attention", "backward")} if _TRITON < (3, 9) else set()
 )
-
-#: Calls that take no fp64 (the gradient checks that launch fp64 do not apply to them).
-NO_FP64 = {"attention", "decode_attention", "decode_attention.paged"}
 
 #: Loads of a single element that a call makes besides its 128-bit row loads: cross_entropy's
 #: forward gathers the target's logit, one element per row (argument X, the element's width).
@@ -156,17 +126,21 @@ def test_every_variant_compiles(inspector_table, arch, call, phase):
     rows = _rows(inspector_table, arch, call, phase)
     failed = [f"{_where(r)}: {r['error']}" for r in rows if "error" in r]
     assert not failed, "\n".join(failed)
-    # Every dtype and every shape launched something on this path.
-    no_fp64 = call.endswith("bf16acc") or call in NO_FP64
-    assert {r["dtype"] for r in rows} == (
-        {"fp32"}
-        if call.endswith("bf16acc")
-        else set(DTYPES) | ({"fp64"} if not no_fp64 else set())
-    )
-    assert {(r["M"], r["N"]) for r in rows} >= {
-        (m, n)
-        for lab, m, n in inspector.bench_shapes()
-        if call not in DECODE_ONLY or lab == "decode"
+    # Every dtype and every shape the specs launch this call at launched something.
+    want = _launched_at(call)
+    assert {r["dtype"] for r in rows} == {dt for dt, _, _ in want}
+    assert {(r["M"], r["N"]) for r in rows} >= {(m, n) for _, m, n in want}
+
+
+def _launched_at(call: str) -> set:
+    """(dtype, M, N) of the survey's shapes where the specs launch ``call``."""
+    shapes = [(s, dts) for s in inspector.bench_shapes() for dts in [DTYPES]]
+    shapes += [(s, (*DTYPES, "fp64")) for s in inspector.ODD_SHAPES]
+    return {
+        (dt, m, n)
+        for (label, m, n), dts in shapes
+        for dt in dts
+        if any(x.call == call for x in specs.inspector_launches(label, m, n, dt))
     }
 
 
