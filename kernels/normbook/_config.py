@@ -72,7 +72,7 @@ RMS_FWD_MAX_BLOCK = 8192
 RMS_BWD_MAX_BLOCK = 4096
 # Wider rows: the forward loops over blocks of RMS_LOOP_BLOCK_N; the backward sweeps
 # column blocks of RMS_BWD_COL_BLOCK, RMS_BWD_COL_ROWS rows at a time
-# (normbook.rms_norm).
+# (normbook.rms_norm, normbook.rms_norm_backward).
 RMS_LOOP_BLOCK_N = 4096
 RMS_BWD_COL_BLOCK = 1024
 RMS_BWD_COL_ROWS = 4
