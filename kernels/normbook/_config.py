@@ -9,7 +9,9 @@ import triton.language as tl
 
 # A row up to this many bytes is held in registers and read once.
 MAX_FUSED_BYTES = 65536
-# Block width used when a row is wider than that and is processed in a loop.
+# Block width used when a row is wider than that and is processed in a loop (also
+# LayerNorm's: the column block of its looped forward and of its backward's row dot
+# products).
 LOOP_BLOCK_N = 4096
 # Aim for at least this many elements per program when rows are short (e.g. head_dim =
 # 128).
@@ -124,3 +126,22 @@ def rms_split(N: int, element_size: int) -> bool:
         and not rms_config(N, element_size).SINGLE_BLOCK
         and N * element_size >= RMS_SPLIT_MIN_BYTES
     )
+
+
+# ---------------------------------------------------------------- LayerNorm
+#
+# The tiles of normbook.layer_norm's forward (forward_config) and of its backward
+# (normbook.layer_norm_backward.backward_plan), chosen from the row length N alone.
+
+
+@dataclass(frozen=True)
+class Config:
+    BLOCK_M: int
+    BLOCK_N: int
+    SINGLE_BLOCK: bool
+    num_warps: int
+
+
+def _warps(elements: int) -> int:
+    # 8 values per thread per tensor at most 16 warps
+    return min(max(elements // 256, 1), 16)
