@@ -145,3 +145,19 @@ class Config:
 def _warps(elements: int) -> int:
     # 8 values per thread per tensor at most 16 warps
     return min(max(elements // 256, 1), 16)
+
+
+# ---------------------------------------------------------------- qk_norm_rope
+#
+# The tiles of normbook.qk_norm_rope's forward, and at half the tile of its backward
+# (normbook.qk_norm_rope_backward._backward_config).
+
+
+def _forward_config(D: int, tile: int = MIN_TILE) -> RowConfig:
+    """Rows of ``tile`` elements per program, from head_dim alone: never from the number
+    of rows, so a head is reduced in the same order whatever the batch and sequence
+    length (batch invariance: its output bits do not depend on the other tokens of the
+    batch)."""
+    block_n = triton.next_power_of_2(D)
+    block_m = max(1, tile // block_n)
+    return RowConfig(block_m, block_n, True, min(max(block_m * block_n // 256, 1), 16))
