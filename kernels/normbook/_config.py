@@ -1,11 +1,16 @@
-"""Launch configurations for row-wise kernels (one place, so that every kernel tunes
-alike)."""
+"""Launch configurations (one place, so that every kernel tunes alike): the row-wise
+kernels', the RMSNorm family's, LayerNorm's, qk_norm_rope's and attention's tiles.
+
+Each op's forward and backward modules both read their tiles from here, so neither
+imports the other."""
 
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from ._runtime import INTERPRET
 
 # A row up to this many bytes is held in registers and read once.
 MAX_FUSED_BYTES = 65536
@@ -161,3 +166,49 @@ def _forward_config(D: int, tile: int = MIN_TILE) -> RowConfig:
     block_n = triton.next_power_of_2(D)
     block_m = max(1, tile // block_n)
     return RowConfig(block_m, block_n, True, min(max(block_m * block_n // 256, 1), 16))
+
+
+# ---------------------------------------------------------------- attention
+#
+# The tiles of normbook.attention's forward (and its backward's preprocessing,
+# normbook.attention_backward) and of normbook.decode_attention's split kernel, for the
+# GPU they are launched on.
+
+# exp(x) = exp2(x · log2 e): the GPU's fast exponential is base 2
+LOG2E = 1.4426950408889634
+
+
+def tile_config(head_dim: int, dtype: torch.dtype, capability=None):
+    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps) for a head_dim, dtype and GPU (None:
+    interpreter).
+
+    Chosen so that ``ptxas -v`` reports no register spills on sm_90a, sm_80 and sm_75
+    (checked with Triton 3.9 for head_dim 16, 64 and 128, causal with window). fp16/bf16
+    on sm_80+ use tensor cores: 64 queries × 64 keys (32 keys above head_dim 64), 8
+    warps for BLOCK_D 64, 4 otherwise (at head_dim 128, 8 warps were held to 128
+    registers on sm_80 and spilled once the forward also wrote L). fp32 (IEEE, no TF32)
+    and every dtype on sm_75 (where this Triton emits no tensor-core code for these
+    tiles)
+    multiply with FMAs and hold whole tiles per thread: smaller tiles.
+    """
+    # tl.dot needs every dimension >= 16
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    tensor_cores = dtype != torch.float32 and (
+        capability is None or capability >= (8, 0)
+    )
+    if tensor_cores:
+        if block_d > 64:
+            return 64, 32, block_d, 4  # 8 warps: held to 128 registers on sm_80: spills
+        return 64, 64, block_d, 4 if block_d <= 32 else 8
+    if block_d > 64:
+        # 8 warps: sm_90's 128-register cap would spill with 4
+        return 16, 16, block_d, 8
+    return 32, 32 if block_d <= 32 else 16, block_d, 4
+
+
+def _capability(t: torch.Tensor):
+    """The GPU's compute capability the tiles are chosen for; None in the interpreter"""
+    if t.device.type == "cuda":
+        return torch.cuda.get_device_capability(t.device)
+    # Compiled mode with CPU tensors: normbook.lab.inspector lowering for a chosen arch
+    return None if INTERPRET else torch.cuda.get_device_capability()
