@@ -1,5 +1,8 @@
-"""Launch configurations for row-wise kernels (one place, so that every kernel tunes
-alike)."""
+"""Launch configurations (one place, so that every kernel tunes alike): the row-wise
+kernels', the RMSNorm family's, LayerNorm's, qk_norm_rope's and attention's tiles.
+
+Each op's forward and backward modules both read their tiles from here, so neither
+imports the other."""
 
 from dataclasses import dataclass
 
@@ -7,9 +10,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ._runtime import INTERPRET
+
 # A row up to this many bytes is held in registers and read once.
 MAX_FUSED_BYTES = 65536
-# Block width used when a row is wider than that and is processed in a loop.
+# Block width used when a row is wider than that and is processed in a loop (also
+# LayerNorm's: the column block of its looped forward and of its backward's row dot
+# products).
 LOOP_BLOCK_N = 4096
 # Aim for at least this many elements per program when rows are short (e.g. head_dim =
 # 128).
@@ -72,7 +79,7 @@ RMS_FWD_MAX_BLOCK = 8192
 RMS_BWD_MAX_BLOCK = 4096
 # Wider rows: the forward loops over blocks of RMS_LOOP_BLOCK_N; the backward sweeps
 # column blocks of RMS_BWD_COL_BLOCK, RMS_BWD_COL_ROWS rows at a time
-# (normbook.rms_norm).
+# (normbook.rms_norm, normbook.rms_norm_backward).
 RMS_LOOP_BLOCK_N = 4096
 RMS_BWD_COL_BLOCK = 1024
 RMS_BWD_COL_ROWS = 4
@@ -124,3 +131,84 @@ def rms_split(N: int, element_size: int) -> bool:
         and not rms_config(N, element_size).SINGLE_BLOCK
         and N * element_size >= RMS_SPLIT_MIN_BYTES
     )
+
+
+# ---------------------------------------------------------------- LayerNorm
+#
+# The tiles of normbook.layer_norm's forward (forward_config) and of its backward
+# (normbook.layer_norm_backward.backward_plan), chosen from the row length N alone.
+
+
+@dataclass(frozen=True)
+class Config:
+    BLOCK_M: int
+    BLOCK_N: int
+    SINGLE_BLOCK: bool
+    num_warps: int
+
+
+def _warps(elements: int) -> int:
+    # 8 values per thread per tensor at most 16 warps
+    return min(max(elements // 256, 1), 16)
+
+
+# ---------------------------------------------------------------- qk_norm_rope
+#
+# The tiles of normbook.qk_norm_rope's forward, and at half the tile of its backward
+# (normbook.qk_norm_rope_backward._backward_config).
+
+
+def _forward_config(D: int, tile: int = MIN_TILE) -> RowConfig:
+    """Rows of ``tile`` elements per program, from head_dim alone: never from the number
+    of rows, so a head is reduced in the same order whatever the batch and sequence
+    length (batch invariance: its output bits do not depend on the other tokens of the
+    batch)."""
+    block_n = triton.next_power_of_2(D)
+    block_m = max(1, tile // block_n)
+    return RowConfig(block_m, block_n, True, min(max(block_m * block_n // 256, 1), 16))
+
+
+# ---------------------------------------------------------------- attention
+#
+# The tiles of normbook.attention's forward (and its backward's preprocessing,
+# normbook.attention_backward) and of normbook.decode_attention's split kernel, for the
+# GPU they are launched on.
+
+# exp(x) = exp2(x · log2 e): the GPU's fast exponential is base 2
+LOG2E = 1.4426950408889634
+
+
+def tile_config(head_dim: int, dtype: torch.dtype, capability=None):
+    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps) for a head_dim, dtype and GPU (None:
+    interpreter).
+
+    Chosen so that ``ptxas -v`` reports no register spills on sm_90a, sm_80 and sm_75
+    (checked with Triton 3.9 for head_dim 16, 64 and 128, causal with window). fp16/bf16
+    on sm_80+ use tensor cores: 64 queries × 64 keys (32 keys above head_dim 64), 8
+    warps for BLOCK_D 64, 4 otherwise (at head_dim 128, 8 warps were held to 128
+    registers on sm_80 and spilled once the forward also wrote L). fp32 (IEEE, no TF32)
+    and every dtype on sm_75 (where this Triton emits no tensor-core code for these
+    tiles)
+    multiply with FMAs and hold whole tiles per thread: smaller tiles.
+    """
+    # tl.dot needs every dimension >= 16
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    tensor_cores = dtype != torch.float32 and (
+        capability is None or capability >= (8, 0)
+    )
+    if tensor_cores:
+        if block_d > 64:
+            return 64, 32, block_d, 4  # 8 warps: held to 128 registers on sm_80: spills
+        return 64, 64, block_d, 4 if block_d <= 32 else 8
+    if block_d > 64:
+        # 8 warps: sm_90's 128-register cap would spill with 4
+        return 16, 16, block_d, 8
+    return 32, 32 if block_d <= 32 else 16, block_d, 4
+
+
+def _capability(t: torch.Tensor):
+    """The GPU's compute capability the tiles are chosen for; None in the interpreter"""
+    if t.device.type == "cuda":
+        return torch.cuda.get_device_capability(t.device)
+    # Compiled mode with CPU tensors: normbook.lab.inspector lowering for a chosen arch
+    return None if INTERPRET else torch.cuda.get_device_capability()

@@ -45,3 +45,13 @@ def chan_combine(mean_a, m2_a, n_a, mean_b, m2_b, n_b):
     mean = mean_a + delta * frac_b
     m2 = m2_a + m2_b + delta * delta * n_a * frac_b
     return mean, m2, n
+
+
+@triton.jit
+def _mean(total, N):
+    """total / N correctly rounded (div_rn; a plain fp32 ``/`` lowers to the approximate
+    ``div.full.f32`` on a GPU, which the interpreter would not reproduce)."""
+    if total.dtype == tl.float64:
+        return total / N  # div.rn.f64: IEEE already
+    else:
+        return tl.math.div_rn(total, tl.zeros_like(total) + N)

@@ -116,3 +116,11 @@ def check_like(
             f"{like.dtype}, got {t.dtype}"
         )
     check_same_device(name, t, like_name, like)
+
+
+# The layout normbook.qk_norm_rope and its backward read q, k, cos, sin and the upstream
+# gradients in.
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    # Any strides for the leading dimensions are followed in place; only the head
+    # dimension itself must be contiguous (a transposed view is copied once).
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()

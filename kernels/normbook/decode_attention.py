@@ -39,10 +39,10 @@ import triton
 import triton.language as tl
 
 from . import _validate
-from ._config import LAUNCH
+from ._config import LAUNCH, LOG2E, _capability, tile_config
 from ._runtime import INTERPRET, device_guard
 from ._triton_utils import round_to
-from .attention import DTYPES, LOG2E, MAX_HEAD_DIM, _capability, tile_config
+from .attention import DTYPES, MAX_HEAD_DIM
 
 # Keys per chunk: one program's share of a row. A constant, so that where a row is cut
 # never depends on the batch. 128 keys give a 1K-token row 8 chunks per k/v head (64

@@ -15,8 +15,8 @@ Backward. With ``ḡ_y`` and ``ḡ_h`` the gradients reaching the two outputs, t
 of ``h`` is the RMSNorm vector-Jacobian product of ``ḡ_y`` plus ``ḡ_h``, and ``h = x +
 r`` passes it unchanged to both inputs (the rounding of h is treated as the identity, as
 autograd of the unfused code does): ``dx = dr = vjp(ḡ_y) + ḡ_h``. It runs in
-:mod:`normbook.rms_norm`'s backward kernel (which adds ``ḡ_h`` in the same pass) on the
-saved ``h`` and 1/rms: one machinery, not a copy.
+:func:`normbook.rms_norm`'s backward kernels (:mod:`normbook.rms_norm_backward`, which
+adds ``ḡ_h`` in the same pass) on the saved ``h`` and 1/rms: one machinery, not a copy.
 """
 
 import torch
@@ -35,13 +35,13 @@ from ._runtime import device_guard
 from ._triton_utils import round_to
 from .rms_norm import (
     LLAMA,
-    _backward,
     _normalize,
     _rstd,
     _square,
     check_convention,
     split_launches,
 )
+from .rms_norm_backward import _backward
 
 
 @triton.jit

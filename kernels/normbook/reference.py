@@ -453,12 +453,13 @@ def sampling_probs(logits, temperature=1.0, top_k=None, top_p=None, min_p=None):
     by top-k (z_i ≥ the k-th largest z; ties kept), then top-p over the renormalized
     top-k set (keep i iff Σ_{j kept: z_j > z_i} p_j < (1 − TOP_P_SLACK)·top_p; ties kept
     together), then min-p (p_i ≥ min_p · p_max ⇔ z_i ≥ ln min_p); renormalized. T = 0:
-    all mass on the first argmax. The slack (2⁻¹⁶, normbook.sampling.TOP_P_SLACK) counts
-    a mass within rounding of top_p as having reached it; without ties and outside that
-    band, Hugging Face's TopPLogitsWarper (cumulative sum ascending, drop where it is ≤
-    1 − top_p) keeps the same set.
+    all mass on the first argmax. The slack (2⁻¹⁶,
+    normbook._sampling_search.TOP_P_SLACK) counts a mass within rounding of top_p as
+    having reached it; without ties and outside that band, Hugging Face's
+    TopPLogitsWarper (cumulative sum ascending, drop where it is ≤ 1 − top_p) keeps the
+    same set.
     """
-    from .sampling import TOP_P_SLACK
+    from ._sampling_search import TOP_P_SLACK
 
     x = _d(logits)
     n = x.shape[-1]

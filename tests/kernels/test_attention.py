@@ -10,7 +10,8 @@ from conftest import LOW_PRECISION, UNIT_ROUNDOFF, assert_rejected_before_launch
 
 from normbook import DEVICE, attention
 from normbook import reference as ref
-from normbook.attention import _capability, tile_config, tiles_visited
+from normbook._config import _capability, tile_config
+from normbook.attention import tiles_visited
 
 
 def assert_within_bound(out, q, k, v, causal=False, window=None, scale=None):

@@ -16,6 +16,7 @@ from conftest import randn
 from normbook import layer_norm
 
 ln_mod = importlib.import_module("normbook.layer_norm")
+ln_bwd = importlib.import_module("normbook.layer_norm_backward")
 ELEMENTS = 2**26  # normbook.lab.bench: M = ELEMENTS // N rows for each hidden size N
 H100_SMS = 132
 ELEMENT_SIZE = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
@@ -30,10 +31,10 @@ def test_partial_sums_are_at_most_5_percent_of_the_backward_bytes(dtype, params,
     and read once by the second stage (8·G·N bytes each)."""
     m = ELEMENTS // n
     elt = ELEMENT_SIZE[dtype]
-    plan = ln_mod.backward_plan(m, n, elt, params, H100_SMS)
+    plan = ln_bwd.backward_plan(m, n, elt, params, H100_SMS)
     essential = 3 * m * n * elt
     partial = params * plan.G * n * 4 * 2
-    assert partial == ln_mod.partial_traffic(plan, n, params)
+    assert partial == ln_bwd.partial_traffic(plan, n, params)
     assert partial <= 0.05 * essential, (
         f"G = {plan.G}: {partial / essential:.1%} of {essential} bytes"
     )
@@ -46,7 +47,7 @@ def test_partial_sums_are_at_most_5_percent_of_the_backward_bytes(dtype, params,
 @pytest.mark.parametrize("n", [4096, 8192])
 def test_decode_backward_spreads_columns_over_programs(m, n):
     """A decode-sized batch of wide rows still gets column blocks in parallel (bf16)."""
-    plan = ln_mod.backward_plan(m, n, 2, 2, H100_SMS)
+    plan = ln_bwd.backward_plan(m, n, 2, 2, H100_SMS)
     if not plan.single.SINGLE_BLOCK:
         assert plan.G * (-(-n // plan.cols.BLOCK_N)) >= min(m, 2 * H100_SMS)
 
@@ -55,8 +56,8 @@ def test_configs_do_not_depend_on_the_number_of_rows():
     for n in (7, 1000, 4097, 20000, 262144):
         for elt in (2, 4):
             a, b = (
-                ln_mod.backward_plan(1, n, elt, 2, H100_SMS),
-                ln_mod.backward_plan(4096, n, elt, 2, H100_SMS),
+                ln_bwd.backward_plan(1, n, elt, 2, H100_SMS),
+                ln_bwd.backward_plan(4096, n, elt, 2, H100_SMS),
             )
             assert (a.single, a.cols) == (b.single, b.cols)
 

@@ -24,7 +24,7 @@ from conftest import LOW_PRECISION, randn
 from normbook import DEVICE, qk_norm_rope
 from normbook import reference as ref
 
-qk_mod = importlib.import_module("normbook.qk_norm_rope")
+qk_bwd = importlib.import_module("normbook.qk_norm_rope_backward")
 EPS = 1e-6
 
 
@@ -249,9 +249,9 @@ def test_weight_gradients_are_deterministic():
     b = run_backward(q, k, qw, kw, cos, sin, dq_out, dk_out)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
-    cfg = qk_mod._backward_config(128)
+    cfg = qk_bwd._backward_config(128)
     assert (
-        qk_mod.num_partials(-(-q.shape[0] * q.shape[1] * q.shape[2] // cfg.BLOCK_M)) > 1
+        qk_bwd.num_partials(-(-q.shape[0] * q.shape[1] * q.shape[2] // cfg.BLOCK_M)) > 1
     )
 
 

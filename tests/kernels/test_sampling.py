@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import LOW_PRECISION, assert_rejected_before_launch
 
-from normbook import DEVICE, sample, sampling
+from normbook import DEVICE, _sampling_search, sample, sampling, sampling_split
 from normbook import reference as ref
 
 ALPHA = 1e-3
@@ -112,7 +112,7 @@ def kept_by_kernel(x, block_n=None, **kw):
 
 
 def order_keys(x2d, temperature):
-    """The kernel's order keys of z = (x - max x) / T (sampling._order_key, in torch)."""
+    """The kernel's order keys of z = (x - max x) / T (_sampling_search._order_key, in torch)."""
     inv_t = min(1.0 / temperature, torch.finfo(torch.float32).max)
     z = (x2d.float() - x2d.amax(-1).float()[:, None]) * torch.tensor(
         inv_t, dtype=torch.float32
@@ -424,10 +424,12 @@ def test_top_p_slack_is_far_above_the_kernels_rounding():
     e32 = torch.exp(z)
     # The kernel's order: tiles of SAMPLE_TILE summed by a tree, tiles added in turn.
     total = torch.zeros((), dtype=torch.float32)
-    for tile in e32.split(sampling.SAMPLE_TILE):
+    for tile in e32.split(_sampling_search.SAMPLE_TILE):
         total = total + tile.sum()
     exact = torch.exp(z.double()).sum()
-    assert abs(total.double() / exact - 1) < 2.0**-20 <= sampling.TOP_P_SLACK / 16
+    assert (
+        abs(total.double() / exact - 1) < 2.0**-20 <= _sampling_search.TOP_P_SLACK / 16
+    )
 
 
 def test_top_p_ties_keep_the_whole_group_where_hugging_face_splits_it():
@@ -461,13 +463,17 @@ def test_kept_set_equals_hugging_faces_warpers(kw, block_n):
 def test_search_pins_the_threshold_in_its_passes():
     """SEARCH_PASSES passes of SEARCH_BITS bits cover the 2**31 keys of z in [-inf, 0]; the
     reads per row are the passes plus the draw (and the top-p total)."""
-    assert sampling.SEARCH_BITS * sampling.SEARCH_PASSES >= 31
+    assert _sampling_search.SEARCH_BITS * _sampling_search.SEARCH_PASSES >= 31
     assert (
-        sampling.KEY_LO <= sampling.KEY_NEG_INF and sampling.KEY_PAD < sampling.KEY_LO
+        _sampling_search.KEY_LO <= _sampling_search.KEY_NEG_INF
+        and _sampling_search.KEY_PAD < _sampling_search.KEY_LO
     )
     assert sampling.row_reads() == 1
-    assert sampling.row_reads(top_k=True) == sampling.SEARCH_PASSES + 1
-    assert sampling.row_reads(top_k=True, top_p=True) == 2 * sampling.SEARCH_PASSES + 2
+    assert sampling.row_reads(top_k=True) == _sampling_search.SEARCH_PASSES + 1
+    assert (
+        sampling.row_reads(top_k=True, top_p=True)
+        == 2 * _sampling_search.SEARCH_PASSES + 2
+    )
 
 
 @pytest.mark.parametrize("n", [50, 300])
@@ -534,7 +540,7 @@ def test_split_rows_merge_more_tiles_than_one_group():
     (totals and masses go through the same _merged: test_split_rows_draw_what_one_program
     _draws). Greedy, the maximum in tile 17 alone is found there, and one in tiles 1 and 17
     (a group apart) goes to tile 1, as in the loop."""
-    assert sampling.MERGE_GROUP < 18 <= 2 * sampling.MERGE_GROUP
+    assert sampling_split.MERGE_GROUP < 18 <= 2 * sampling_split.MERGE_GROUP
     x = (logits_row(16 * 17 + 5, seed=8, scale=2.0) - 1.0)[None].to(DEVICE)
     args = (x, x.amax(-1), 0.8, 9, None, None, 5)
     one = sampling._launch(*args, block_n=16, split=False)
@@ -570,9 +576,12 @@ def test_split_row_does_not_depend_on_its_batch():
 def test_split_is_chosen_from_the_vocabulary_size_only():
     """Rows of SAMPLE_SPLIT_MIN_N keys and more are split, at any M; the launches a split row
     takes: one per search pass, the top-p total and the draw, then the argmax merge."""
-    assert sampling.SAMPLE_SPLIT_MIN_N > sampling.SAMPLE_TILE
-    assert len(sampling._split_steps(False, False)) == 1
-    assert len(sampling._split_steps(True, True)) == 2 * sampling.SEARCH_PASSES + 2
+    assert sampling_split.SAMPLE_SPLIT_MIN_N > _sampling_search.SAMPLE_TILE
+    assert len(sampling_split._split_steps(False, False)) == 1
+    assert (
+        len(sampling_split._split_steps(True, True))
+        == 2 * _sampling_search.SEARCH_PASSES + 2
+    )
     assert sampling.row_reads(top_k=True, top_p=True) == len(
-        sampling._split_steps(True, True)
+        sampling_split._split_steps(True, True)
     )

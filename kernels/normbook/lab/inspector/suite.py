@@ -12,9 +12,9 @@ from .shapes import ODD_SHAPES, bench_shapes
 
 
 def survey(**kwargs) -> list[dict]:
-    """Every variant the test suite checks (tests/test_inspect.py): every call at the
-    benchmark's, decode and odd shapes, for sm_90, sm_80 and sm_75, in fp32, fp16 and
-    bf16, and in fp64 (which the gradient checks launch) at the odd shapes."""
+    """Every variant the test suite checks (tests/lab/test_inspect.py): every call at
+    the benchmark's, decode and odd shapes, for sm_90, sm_80 and sm_75, in fp32, fp16
+    and bf16, and in fp64 (which the gradient checks launch) at the odd shapes."""
     rows = run_inspector(
         archs=ARCHS, dtypes=DTYPES, shapes=bench_shapes() + ODD_SHAPES, **kwargs
     )["rows"]

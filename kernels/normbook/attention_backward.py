@@ -1,0 +1,470 @@
+r"""The backward of :func:`normbook.attention`: the kernels behind
+:class:`normbook.attention.AttentionFunction`, their tiles and launcher.
+
+Apart from the forward (:mod:`normbook.attention`) so that each module stays short; it
+imports nothing from it. What both use (``LOG2E``, the forward's ``tile_config``, which
+also sizes the preprocessing kernel, and ``_capability``) lives below them, in
+:mod:`normbook._config`.
+
+Backward (FlashAttention-2, Dao 2023). With ``P = softmax(S)``, ``dP = dO Vᵀ`` and the
+softmax Jacobian ``diag(p) − p pᵀ`` applied row by row,
+
+.. math::
+    dV = P^\top dO,\quad dS = P \circ (dP - D),\quad
+    D_i = \textstyle\sum_d dO_{id} O_{id} = \sum_j P_{ij} dP_{ij},\quad
+    dQ = \text{scale}\, dS\, K,\quad dK = \text{scale}\, dS^\top Q.
+
+When a gradient will be needed, the forward also saves the log-sum-exp of each row,
+``L = m + log l`` (natural log, fp32; ``+inf`` for a row that sees no key), so that the
+backward recomputes ``P = exp(scale·q·k − L)`` tile by tile instead of storing it. Three
+kernels: ``_attention_bwd_preprocess`` computes ``D`` once per row;
+``_attention_bwd_dkdv``, one program per key tile of a k/v head, visits every query tile
+(of every q head of its group, in a fixed order) that sees it and writes ``dK`` and
+``dV`` once; ``_attention_bwd_dq``, one program per query tile, visits the key tiles as
+the forward does and writes ``dQ`` once. No atomics anywhere: every sum is taken in an
+order fixed by the code, so the gradients are bitwise equal from run to run.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ._config import LAUNCH, LOG2E, _capability, tile_config
+from ._runtime import INTERPRET, device_guard
+from ._triton_utils import round_to
+
+
+@triton.jit
+def _attention_bwd_preprocess(
+    O,
+    DO,
+    Delta,  # pointers: saved output, its gradient, D (fp32)
+    sob,
+    soh,
+    som,  # strides of O (contiguous in dim)
+    sdob,
+    sdoh,
+    sdom,
+    sdod,  # strides of dO
+    H,
+    seq_q,
+    D,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    tile_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < seq_q
+    ok = row_ok[:, None] & (dims < D)[None, :]
+    o = tl.load(
+        O + b * sob + h * soh + rows[:, None] * som + dims[None, :], mask=ok, other=0.0
+    )
+    do = tl.load(
+        DO + b * sdob + h * sdoh + rows[:, None] * sdom + dims[None, :] * sdod,
+        mask=ok,
+        other=0.0,
+    )
+    # D_i = Σ_d dO_id O_id = Σ_j P_ij dP_ij: the ⟨dy, p⟩ of the softmax backward, one a
+    # row, from O (head_dim numbers) instead of from P (seq_k numbers).
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(Delta + bh.to(tl.int64) * seq_q + rows, delta, mask=row_ok)
+
+
+@triton.jit
+def _attention_bwd_dkdv(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    Delta,
+    DK,
+    DV,  # pointers: inputs, dO, the forward's L, D; dK, dV
+    sqb,
+    sqh,
+    sqm,
+    sqd,  # strides of Q (batch, head, seq, dim), in elements
+    skb,
+    skh,
+    skn,
+    skd,  # strides of K
+    svb,
+    svh,
+    svn,
+    svd,  # strides of V
+    sdob,
+    sdoh,
+    sdom,
+    sdod,  # strides of dO
+    sdkb,
+    sdkh,
+    sdkn,  # strides of dK and dV (one layout, dim contiguous)
+    H,
+    GROUP,
+    seq_q,
+    seq_k,
+    D,  # q heads, q heads per k/v head, lengths, head_dim
+    qk_scale,
+    scale,
+    offset,
+    window,  # scale·log2(e), scale; causal offset; window
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # One program owns BLOCK_N keys of one k/v head and every query that sees them.
+    tile_n = tl.program_id(0)
+    bh_kv = tl.program_id(1)
+    H_kv = H // GROUP
+    b = (bh_kv // H_kv).to(tl.int64)
+    h_kv = (bh_kv % H_kv).to(tl.int64)
+
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    col_ok = cols < seq_k
+    dim_ok = dims < D
+    kv_ok = col_ok[:, None] & dim_ok[None, :]
+    k = tl.load(
+        K + b * skb + h_kv * skh + cols[:, None] * skn + dims[None, :] * skd,
+        mask=kv_ok,
+        other=0.0,
+    )
+    v = tl.load(
+        V + b * svb + h_kv * svh + cols[:, None] * svn + dims[None, :] * svd,
+        mask=kv_ok,
+        other=0.0,
+    )
+    if UPCAST:
+        # the interpreter's bf16 dot is broken; fp32 holds bf16 exactly (and on sm_75
+        # it takes fewer registers than the half-precision FMA path)
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    # Which queries see any key of this tile? Key j is seen by rows i >= j - offset
+    # (causal) and i < j - offset + window (window): skip query tiles outside [lo, hi).
+    lo = 0
+    hi = seq_q
+    if CAUSAL:
+        lo = tl.maximum(tile_n * BLOCK_N - offset, 0)
+        lo = (lo // BLOCK_M) * BLOCK_M  # start on a query-tile boundary
+        if WINDOW:
+            last_col = tl.minimum(tile_n * BLOCK_N + BLOCK_N, seq_k) - 1
+            hi = tl.maximum(tl.minimum(hi, last_col - offset + window), 0)
+    # GQA: the GROUP q heads that share this k/v head, in a fixed order (0, 1, …): dK
+    # and dV are sums over them, taken in registers and in the same order every run.
+    for g in range(0, GROUP):
+        bh = b * H + h_kv * GROUP + g  # the q head's index among batch · heads
+        h = h_kv * GROUP + g
+        q_base = Q + b * sqb + h * sqh
+        do_base = DO + b * sdob + h * sdoh
+        for start in range(lo, hi, BLOCK_M):
+            rows = start + tl.arange(0, BLOCK_M)
+            row_ok = rows < seq_q
+            qt = tl.load(
+                q_base + rows[None, :] * sqm + dims[:, None] * sqd,  # Qᵀ tile
+                mask=row_ok[None, :] & dim_ok[:, None],
+                other=0.0,
+            )
+            do = tl.load(
+                do_base + rows[:, None] * sdom + dims[None, :] * sdod,
+                mask=row_ok[:, None] & dim_ok[None, :],
+                other=0.0,
+            )
+            if UPCAST:
+                qt = qt.to(tl.float32)
+                do = do.to(tl.float32)
+            # L in base 2; a padding row reads +inf: its p is 0, as a fully masked row's
+            lse2 = tl.load(LSE + bh * seq_q + rows, mask=row_ok, other=float("inf"))
+            lse2 = lse2 * 1.4426950408889634  # log2(e)
+            delta = tl.load(Delta + bh * seq_q + rows, mask=row_ok, other=0.0)
+            # Pᵀ recomputed from L: p_ij = exp(s_ij − L_i), transposed (keys × queries).
+            st = tl.dot(k, qt, input_precision=DOT_PRECISION, out_dtype=tl.float32)
+            st = st * qk_scale
+            keep = col_ok[:, None] & row_ok[None, :]
+            if CAUSAL:
+                keep = keep & (cols[:, None] <= rows[None, :] + offset)
+                if WINDOW:
+                    keep = keep & (cols[:, None] > rows[None, :] + offset - window)
+            pt = tl.where(keep, tl.exp2(st - lse2[None, :]), 0.0)
+            # dV += Pᵀ dO, P rounded to the input dtype for tensor cores, as forward
+            pt_low = round_to(pt, V.dtype.element_ty)
+            if UPCAST:
+                pt_low = pt_low.to(tl.float32)
+            dv += tl.dot(
+                pt_low, do, input_precision=DOT_PRECISION, out_dtype=tl.float32
+            )
+            # dPᵀ = V dOᵀ; dSᵀ = Pᵀ ∘ (dPᵀ − D): the softmax backward p ∘ (dy − ⟨dy,p⟩)
+            dpt = tl.dot(
+                v, tl.trans(do), input_precision=DOT_PRECISION, out_dtype=tl.float32
+            )
+            dst = pt * (dpt - delta[None, :])
+            dst_low = round_to(dst, Q.dtype.element_ty)
+            if UPCAST:
+                dst_low = dst_low.to(tl.float32)
+            dk += tl.dot(
+                dst_low,
+                tl.trans(qt),
+                input_precision=DOT_PRECISION,
+                out_dtype=tl.float32,
+            )
+    # S = scale · Q Kᵀ, so dK = scale · dSᵀ Q (the scale once, at the end).
+    dk = dk * scale
+    out = DK + b * sdkb + h_kv * sdkh + cols[:, None] * sdkn + dims[None, :]
+    tl.store(out, round_to(dk, DK.dtype.element_ty), mask=kv_ok)
+    out = DV + b * sdkb + h_kv * sdkh + cols[:, None] * sdkn + dims[None, :]
+    tl.store(out, round_to(dv, DV.dtype.element_ty), mask=kv_ok)
+
+
+@triton.jit
+def _attention_bwd_dq(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    Delta,
+    DQ,  # pointers: inputs, dO, the forward's L, D; output
+    sqb,
+    sqh,
+    sqm,
+    sqd,  # strides of Q (batch, head, seq, dim), in elements
+    skb,
+    skh,
+    skn,
+    skd,  # strides of K
+    svb,
+    svh,
+    svn,
+    svd,  # strides of V
+    sdob,
+    sdoh,
+    sdom,
+    sdod,  # strides of dO
+    sdqb,
+    sdqh,
+    sdqm,  # strides of dQ (contiguous in dim)
+    H,
+    GROUP,
+    seq_q,
+    seq_k,
+    D,  # q heads, q heads per k/v head, lengths, head_dim
+    qk_scale,
+    scale,
+    offset,
+    window,  # scale·log2(e), scale; causal offset; window
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # One program owns BLOCK_M queries of one head and sums dQ over the keys they see,
+    # in registers: no other program writes these rows, so no atomics and a fixed order.
+    tile_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    h_kv = (h // GROUP).to(tl.int64)
+    h = h.to(tl.int64)
+
+    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < seq_q
+    dim_ok = dims < D
+    q_ok = row_ok[:, None] & dim_ok[None, :]
+    q = tl.load(
+        Q + b * sqb + h * sqh + rows[:, None] * sqm + dims[None, :] * sqd,
+        mask=q_ok,
+        other=0.0,
+    )
+    do = tl.load(
+        DO + b * sdob + h * sdoh + rows[:, None] * sdom + dims[None, :] * sdod,
+        mask=q_ok,
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    bh = bh.to(tl.int64)
+    lse2 = tl.load(LSE + bh * seq_q + rows, mask=row_ok, other=float("inf"))
+    lse2 = lse2 * 1.4426950408889634  # L in base 2; padding rows +inf: p = 0
+    delta = tl.load(Delta + bh * seq_q + rows, mask=row_ok, other=0.0)
+    k_base = K + b * skb + h_kv * skh
+    v_base = V + b * svb + h_kv * svh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # The key tiles the forward visited, and no others.
+    lo = 0
+    hi = seq_k
+    if CAUSAL:
+        last_row = tl.minimum(tile_m * BLOCK_M + BLOCK_M, seq_q) - 1
+        hi = tl.maximum(tl.minimum(hi, last_row + offset + 1), 0)
+        if WINDOW:
+            lo = tl.maximum(tile_m * BLOCK_M + offset - window + 1, 0)
+            lo = (lo // BLOCK_N) * BLOCK_N
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < seq_k
+        kv_ok = col_ok[None, :] & dim_ok[:, None]
+        kt = tl.load(
+            k_base + cols[None, :] * skn + dims[:, None] * skd, mask=kv_ok, other=0.0
+        )
+        vt = tl.load(
+            v_base + cols[None, :] * svn + dims[:, None] * svd, mask=kv_ok, other=0.0
+        )
+        if UPCAST:
+            kt = kt.to(tl.float32)
+            vt = vt.to(tl.float32)
+        s = (
+            tl.dot(q, kt, input_precision=DOT_PRECISION, out_dtype=tl.float32)
+            * qk_scale
+        )
+        keep = col_ok[None, :] & row_ok[:, None]
+        if CAUSAL:
+            keep = keep & (cols[None, :] <= rows[:, None] + offset)
+            if WINDOW:
+                keep = keep & (cols[None, :] > rows[:, None] + offset - window)
+        p = tl.where(keep, tl.exp2(s - lse2[:, None]), 0.0)
+        dp = tl.dot(do, vt, input_precision=DOT_PRECISION, out_dtype=tl.float32)
+        ds = p * (dp - delta[:, None])
+        ds_low = round_to(ds, Q.dtype.element_ty)
+        if UPCAST:
+            ds_low = ds_low.to(tl.float32)
+        dq += tl.dot(
+            ds_low, tl.trans(kt), input_precision=DOT_PRECISION, out_dtype=tl.float32
+        )
+    dq = dq * scale  # S = scale · Q Kᵀ, so dQ = scale · dS K
+    out = DQ + b * sdqb + h * sdqh + rows[:, None] * sdqm + dims[None, :]
+    tl.store(out, round_to(dq, DQ.dtype.element_ty), mask=q_ok)
+
+
+def bwd_tile_config(head_dim: int, dtype: torch.dtype, capability=None, kernel="dkdv"):
+    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps) for the backward's ``kernel`` (dkdv, dq).
+
+    The dK/dV program holds four key-side tiles (k, v, dk, dv: BLOCK_N × BLOCK_D) for
+    its whole life and two query-side tiles per step; the dQ program the reverse. Each
+    keeps its long-lived side the larger one. Chosen for 0 spills on sm_90, sm_80 and
+    sm_75 in ``python -m normbook.lab.inspector`` (tests/lab/test_inspect.py; head_dim
+    128, Triton 3.9). On sm_75 the tiles are multiplied in fp32 (see ``_backward``).
+    """
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    tensor_cores = dtype != torch.float32 and (
+        capability is None or capability >= (8, 0)
+    )
+    if tensor_cores:
+        owned, step, warps = (64, 32, 4) if block_d <= 64 else (64, 16, 8)
+    elif block_d > 64:
+        # fp16/bf16 here is sm_75, multiplied in fp32: 16 owned keys spilled 8 bytes in
+        # dK/dV, 32 none; fp32 the reverse (32 hit sm_80's 128 registers at 8 warps)
+        wide = kernel == "dkdv" and dtype != torch.float32
+        owned, step, warps = (32 if wide else 16), 16, 8
+    else:
+        owned, step, warps = 32, 16, 4
+    if kernel == "dkdv":
+        return step, owned, block_d, warps  # BLOCK_M queries a step, BLOCK_N keys owned
+    return owned, step, block_d, warps  # BLOCK_M queries owned, BLOCK_N keys per step
+
+
+def _backward(do, q, k, v, out, lse, alignment, scale, window, needs=(True,) * 3):
+    """(dq, dk, dv) from dO and the forward's saved q, k, v, O and L; None where
+    ``needs`` (q, k, v) says no gradient is wanted."""
+    B, H, seq_q, D = q.shape
+    H_kv, seq_k = k.shape[1], k.shape[2]
+    want_q, want_kv = needs[0], needs[1] or needs[2]
+    dq = dk = dv = None
+    if want_q:
+        dq = torch.empty((B, H, seq_q, D), dtype=q.dtype, device=q.device)
+    if want_kv:
+        dk = torch.empty((B, H_kv, seq_k, D), dtype=k.dtype, device=k.device)
+        dv = torch.empty_like(dk)
+    if B * H * seq_q == 0 or seq_k == 0:
+        # No query, or no key: nothing depends on anything, every gradient is 0.
+        return tuple(None if g is None else g.zero_() for g in (dq, dk, dv))
+    offset = seq_k - seq_q if alignment == "bottom_right" else 0
+    cap = _capability(q)
+    # sm_75 has no bf16 tensor cores and these tiles use none: multiply in fp32 there
+    # (products of fp16/bf16 numbers are exact in fp32, so nothing changes but the
+    # registers: the half-precision FMA path needed 255 registers and spilled).
+    upcast = INTERPRET or (cap is not None and cap < (8, 0))
+    common = dict(
+        CAUSAL=alignment is not None,
+        WINDOW=window is not None,
+        UPCAST=upcast,
+        DOT_PRECISION="ieee",
+        **LAUNCH,
+    )
+    strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
+    sizes = (H, H // H_kv, seq_q, seq_k, D, scale * LOG2E, scale, offset, window or 0)
+    delta = torch.empty((B, H, seq_q), dtype=torch.float32, device=q.device)
+    BLOCK_M, _, BLOCK_D, num_warps = tile_config(D, q.dtype, cap)
+    with device_guard(q):
+        _attention_bwd_preprocess[(triton.cdiv(seq_q, BLOCK_M), B * H)](
+            out,
+            do,
+            delta,
+            *out.stride()[:3],
+            *do.stride(),
+            H,
+            seq_q,
+            D,
+            BLOCK_M=BLOCK_M,
+            BLOCK_D=BLOCK_D,
+            num_warps=num_warps,
+            **LAUNCH,
+        )
+        if want_kv:
+            BLOCK_M, BLOCK_N, BLOCK_D, num_warps = bwd_tile_config(
+                D, q.dtype, cap, "dkdv"
+            )
+            _attention_bwd_dkdv[(triton.cdiv(seq_k, BLOCK_N), B * H_kv)](
+                q,
+                k,
+                v,
+                do,
+                lse,
+                delta,
+                dk,
+                dv,
+                *strides,
+                *dk.stride()[:3],
+                *sizes,
+                BLOCK_M=BLOCK_M,
+                BLOCK_N=BLOCK_N,
+                BLOCK_D=BLOCK_D,
+                num_warps=num_warps,
+                **common,
+            )
+        if want_q:
+            BLOCK_M, BLOCK_N, BLOCK_D, num_warps = bwd_tile_config(
+                D, q.dtype, cap, "dq"
+            )
+            _attention_bwd_dq[(triton.cdiv(seq_q, BLOCK_M), B * H)](
+                q,
+                k,
+                v,
+                do,
+                lse,
+                delta,
+                dq,
+                *strides,
+                *dq.stride()[:3],
+                *sizes,
+                BLOCK_M=BLOCK_M,
+                BLOCK_N=BLOCK_N,
+                BLOCK_D=BLOCK_D,
+                num_warps=num_warps,
+                **common,
+            )
+    return dq, dk, dv
