@@ -1,7 +1,7 @@
 """The package as an engineer imports it: ``import normbook`` loads the library only (no
 lab module, no transformers); the library never imports its lab, never reads the
 repository it was built from, and has no import cycle; no module is named like a module of
-the standard library (``inspect`` once was); no module is over 700 lines."""
+the standard library (such as ``inspect``); no module is over 700 lines."""
 
 import ast
 import pathlib
