@@ -101,47 +101,11 @@ def main(argv: list[str] | None = None, log=print) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     on_gpu = DEVICE.type == "cuda"
-    if not on_gpu and not args.smoke:
-        raise SystemExit(
-            "No CUDA GPU here (kernels run in Triton's interpreter): "
-            "there is nothing to measure. "
-            "Use --smoke to exercise the benchmark's code path."
-        )
-    out = args.out
-    if args.smoke:
-        if out is not None and out.resolve() == DATA_DIR.resolve():
-            raise SystemExit(
-                f"--smoke never writes into {DATA_DIR}: that folder holds "
-                "GPU results only."
-            )
-    elif out is None:
-        out = DATA_DIR
-
+    out = _out_folder(args, on_gpu)
     start = time.monotonic()
-    names = [c.name for c in runner.CASES]
-    if args.plan:
-        from .plan import PLANS
-
-        if args.plan not in PLANS:
-            raise SystemExit(f"unknown plan {args.plan!r}; choose from {sorted(PLANS)}")
-        if args.sizes or args.elements or args.no_decode or args.compile_sizes:
-            raise SystemExit(
-                "--plan sets its own shapes: drop "
-                "--sizes/--elements/--no-decode/--compile-sizes"
-            )
-    wanted = args.cases.split(",") if args.cases else names
-    unknown = [n for n in wanted if n not in names]
-    if unknown:
-        raise SystemExit(f"unknown case(s) {unknown}; choose from {names}")
-    cases = [c for c in runner.CASES if c.name in wanted]
-    providers = args.providers.split(",") if args.providers else list(PROVIDERS)
-    bad = [p for p in providers if p not in PROVIDERS]
-    if bad:
-        raise SystemExit(f"unknown provider(s) {bad}; choose from {PROVIDERS}")
-    if args.sizes:
-        sizes = [int(s) for s in args.sizes.split(",")]
-    else:
-        sizes = SMOKE_SWEEP if args.smoke else SWEEP
+    cases, providers = _selection(args)
+    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else None
+    sizes = sizes or (SMOKE_SWEEP if args.smoke else SWEEP)
     elements = args.elements or (SMOKE_ELEMENTS if args.smoke else ELEMENTS)
     dtype = default_dtype()
     timer = timing.time_ms if on_gpu else wall_time_ms
@@ -150,14 +114,8 @@ def main(argv: list[str] | None = None, log=print) -> dict:
         out = pathlib.Path(tempfile.mkdtemp(prefix="bench-smoke-"))
 
     prov = provenance(argv, args.smoke, dtype)
-    prov.update(
-        {
-            "sizes": sizes,
-            "elements_per_tensor": elements,
-            "providers": providers,
-            "cases": [c.name for c in cases],
-        }
-    )
+    prov.update(sizes=sizes, elements_per_tensor=elements, providers=providers)
+    prov.update(cases=[c.name for c in cases])
     log(
         f"{prov['gpu']} · torch {prov['torch']} · triton {prov['triton']} · "
         f"{prov['dtype']} · {prov['timer']}"
@@ -173,18 +131,15 @@ def main(argv: list[str] | None = None, log=print) -> dict:
         )
     if args.no_decode:
         decode = []
+    elif args.smoke:
+        decode = SMOKE_DECODE
     else:
-        decode = (
-            SMOKE_DECODE if args.smoke else [(m, n) for n in DECODE_N for m in DECODE_M]
-        )
+        decode = [(m, n) for n in DECODE_N for m in DECODE_M]
     compile_sizes = None
     if args.compile_sizes:
         compile_sizes = {int(s) for s in args.compile_sizes.split(",")}
     prov.update(
-        {
-            "decode": decode,
-            "compile_sizes": sorted(compile_sizes) if compile_sizes else "all",
-        }
+        decode=decode, compile_sizes=sorted(compile_sizes) if compile_sizes else "all"
     )
     save = _writer(out, prov, copy)
     log(f"writing {save([])[0]} as rows are measured")
@@ -204,6 +159,49 @@ def main(argv: list[str] | None = None, log=print) -> dict:
         on_rows=save,
     )
     return _finish(save, prov, copy, rows, None, log)
+
+
+def _out_folder(args, on_gpu: bool):
+    """Where the files go (None: a smoke run's own temporary folder), or a refusal:
+    nothing to measure without a GPU, and a smoke run never writes into data/bench/."""
+    if not on_gpu and not args.smoke:
+        raise SystemExit(
+            "No CUDA GPU here (kernels run in Triton's interpreter): "
+            "there is nothing to measure. "
+            "Use --smoke to exercise the benchmark's code path."
+        )
+    if args.smoke:
+        if args.out is not None and args.out.resolve() == DATA_DIR.resolve():
+            raise SystemExit(
+                f"--smoke never writes into {DATA_DIR}: that folder holds "
+                "GPU results only."
+            )
+        return args.out
+    return args.out or DATA_DIR
+
+
+def _selection(args):
+    """The cases and the providers asked for, each name checked."""
+    names = [c.name for c in runner.CASES]
+    if args.plan:
+        from .plan import PLANS
+
+        if args.plan not in PLANS:
+            raise SystemExit(f"unknown plan {args.plan!r}; choose from {sorted(PLANS)}")
+        if args.sizes or args.elements or args.no_decode or args.compile_sizes:
+            raise SystemExit(
+                "--plan sets its own shapes: drop "
+                "--sizes/--elements/--no-decode/--compile-sizes"
+            )
+    wanted = args.cases.split(",") if args.cases else names
+    unknown = [n for n in wanted if n not in names]
+    if unknown:
+        raise SystemExit(f"unknown case(s) {unknown}; choose from {names}")
+    providers = args.providers.split(",") if args.providers else list(PROVIDERS)
+    bad = [p for p in providers if p not in PROVIDERS]
+    if bad:
+        raise SystemExit(f"unknown provider(s) {bad}; choose from {PROVIDERS}")
+    return [c for c in runner.CASES if c.name in wanted], providers
 
 
 def _writer(out, prov, copy):
