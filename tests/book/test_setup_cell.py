@@ -11,6 +11,7 @@ import pathlib
 import shutil
 import sys
 
+import chapters
 import pytest
 import sync_setup_cells
 import yaml
@@ -119,7 +120,6 @@ def test_the_wheel_holds_every_package():
     every package under kernels/ and nothing else at the top level than ``normbook`` (no
     ``kernels``, the name of Hugging Face's package)."""
     import subprocess
-    import sys
     import tempfile
     import zipfile
 
