@@ -29,12 +29,13 @@ the tests of no shared work first, then the chapters', the HTML's, the inspector
 --quick (`make test-quick`, the edit loop: a few minutes). The folders tests/kernels/ and
 tests/book/, and the tests of tests/lab/ marked ``quick`` (the specs, the formatter and the
 linter: seconds); not the rest of tests/lab/, whose tests start the benchmark, the
-inspector's compilers, gpu_check or nested pytest runs. Left out within them: the tests of the background work and
-of the browser, a test with an integer parameter above QUICK_MAX_SIZE (a row length, a
-vocabulary), and a test marked ``slow`` (Jupyter kernels, a fresh interpreter per case, whole
-models generating). So the quick run checks the kernels at small sizes and the book's sources
-(prose, code width, clean notebooks, the Colab conversion), and executes no chapter, opens no
-browser and compiles nothing for the inspector.
+inspector's compilers, gpu_check or nested pytest runs. Left out within them: the tests of
+the background work and of the browser, a test with an integer parameter above
+QUICK_MAX_SIZE (a row length, a vocabulary), and a test marked ``slow`` (Jupyter kernels, a
+fresh interpreter per case, whole models generating or training, a row of a real
+vocabulary, a small book built). So the quick run checks the kernels at small sizes and the
+book's sources (prose, code width, clean notebooks, the Colab conversion), and executes no
+chapter, opens no browser and compiles nothing for the inspector.
 
 --reuse-book: the previous run's executed chapters and HTML (_build/test-book/), for
 iterating on tests that only read them; nothing is started in the background.

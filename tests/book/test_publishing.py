@@ -278,6 +278,7 @@ def ok(published, words):
     return repo
 
 
+@pytest.mark.slow  # builds a small book
 def test_pages_workflow_steps_run_on_a_real_build(published):
     for words in (
         "tools/configure_repository.py",
@@ -324,6 +325,7 @@ def test_colab_step_writes_glued_values_from_the_build(published):
     )  # configured Pages URL
 
 
+@pytest.mark.slow  # builds a small book
 def test_colab_step_folds_the_solution_and_keeps_the_rest_in_view(published):
     repo = ok(published, "tools/colab_edition.py")
     cells = tiny_edition(repo, "alpha")["cells"]

@@ -387,6 +387,7 @@ def test_padding_mask_is_refused_not_ignored(build):
             model(ids, attention_mask=mask)
 
 
+@pytest.mark.slow  # a whole model trained for 20 steps
 @pytest.mark.parametrize("build", [qwen3, llama], ids=["qwen3", "llama"])
 def test_adamw_20_steps_loss_within_bound_at_every_step(build):
     """20 AdamW steps (lr 1e-2) from the same weights on the same batch, the loss from labels.

@@ -182,6 +182,7 @@ def test_one_finite_logit_among_minus_inf():
         assert torch.equal(sample(x, generator=4, **kw).cpu(), where), kw
 
 
+@pytest.mark.slow  # a 151,936-word row: not a small size
 def test_vocabulary_of_qwen3_at_one_and_two_rows():
     """151,936 logits: the looped path (rows wider than a tile), at the decode batch sizes."""
     n = 151_936
@@ -532,6 +533,7 @@ def test_split_greedy_ties_across_tiles_go_to_the_first():
         assert torch.equal(out, sampling._launch(*args, block_n=32, split=False)[0])
 
 
+@pytest.mark.slow  # rows of more tiles than one merge group: not a small size
 def test_split_rows_merge_more_tiles_than_one_group():
     """Past MERGE_GROUP tiles a launch merges group after group (the tile count is an
     argument, not a constexpr): 18 tiles of 16 keys, two groups, the second one partial
