@@ -108,6 +108,18 @@ def torch_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=1e-6):
     return qn * c + _rotate_half(qn) * s, kn * c + _rotate_half(kn) * s
 
 
+def torch_softmax(x):
+    import torch
+
+    return torch.softmax(x, dim=-1)
+
+
+def torch_cross_entropy(logits, target):
+    import torch
+
+    return torch.nn.functional.cross_entropy(logits.float(), target)
+
+
 def torch_swiglu(gate, up):
     """The MLP's gate as Hugging Face writes it:
     ``act_fn(gate_proj(x)) * up_proj(x)``."""
@@ -139,7 +151,9 @@ def torch_linear_cross_entropy(hidden, weight, target):
 
 
 def _bytes(*tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    from .measure import bytes_moved
+
+    return bytes_moved(*tensors)
 
 
 def _rows(vectors):
@@ -425,7 +439,7 @@ SPECS = (
         _rows(0),
         ("x",),
         {},
-        lambda x: _softmax_formula(x),
+        torch_softmax,
         _liger_softmax,
         _softmax_bytes,
         _FB,
@@ -437,7 +451,7 @@ SPECS = (
         _cross_entropy_inputs,
         ("logits",),
         {},
-        lambda logits, target: _cross_entropy_formula(logits, target),
+        torch_cross_entropy,
         "not compared: Liger's cross-entropy writes its gradient in place",
         _cross_entropy_bytes,
         {"forward": "", "backward": ""},
@@ -575,18 +589,6 @@ SPECS = (
 BY_NAME = {s.name: s for s in SPECS}
 
 
-def _softmax_formula(x):
-    import torch
-
-    return torch.softmax(x, dim=-1)
-
-
-def _cross_entropy_formula(logits, target):
-    import torch
-
-    return torch.nn.functional.cross_entropy(logits.float(), target)
-
-
 # ---------------------------------------------------------------- derived lists
 
 
@@ -647,7 +649,9 @@ def autograd_calls(device) -> dict:
     from .kernel_spec import Make
 
     def inputs(spec):
-        return lambda: tiny_inputs(spec, Make(__import__("torch").float32, device))
+        import torch
+
+        return lambda: tiny_inputs(spec, Make(torch.float32, device))
 
     return {s.name: inputs(s) for s in SPECS}
 
