@@ -10,6 +10,7 @@ Every kernel is checked against the float64 formulas in :mod:`normbook.reference
 # _runtime first: it sets Triton's interpreter before any kernel is defined.
 from ._runtime import DEVICE, HAS_CUDA, INTERPRET, default_dtype, device_name
 from .attention import attention
+from .attention_varlen import attention_varlen
 from .cross_entropy import cross_entropy
 from .decode_attention import decode_attention
 from .fused_add_rms_norm import fused_add_rms_norm
@@ -37,6 +38,7 @@ __all__ = [
     "softmax",
     "cross_entropy",
     "attention",
+    "attention_varlen",
     "sample",
     "swiglu",
     "linear_cross_entropy",

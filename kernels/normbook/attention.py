@@ -41,10 +41,10 @@ import triton
 import triton.language as tl
 
 from . import _validate
-from ._config import LAUNCH, LOG2E, _capability, tile_config
+from ._config import LAUNCH, _capability, tile_config
 from ._runtime import INTERPRET, device_guard
-from ._triton_utils import round_to
-from .attention_backward import _backward
+from ._triton_utils import round_to, tanh
+from .attention_backward import _backward, _score_scales
 
 LN2 = 0.6931471805599453  # log(x) = log2(x) · ln 2
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -64,6 +64,8 @@ def _attention_fwd(
     O,
     Tiles,
     LSE,  # pointers: inputs, output, tiles visited, L
+    CuSeqQ,
+    CuSeqK,  # VARLEN: cumulative sequence lengths of the packed q and k rows
     sqb,
     sqh,
     sqm,
@@ -83,13 +85,17 @@ def _attention_fwd(
     GROUP,
     seq_q,
     seq_k,
-    D,  # q heads, q heads per k/v head, lengths, head_dim
-    # scale·log2(e); causal diagonal offset; window (keys per query)
+    D,  # q heads, q heads per k/v head, lengths (VARLEN: packed rows), head_dim
+    # scale·log2(e) (SOFTCAP: scale/c); causal diagonal offset (VARLEN: 1 bottom-right,
+    # 0 top-left); window (keys per query); c·log2(e)
     qk_scale,
     offset,
     window,
+    softcap,
     CAUSAL: tl.constexpr,
     WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    VARLEN: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SAVE_LSE: tl.constexpr,
@@ -104,21 +110,37 @@ def _attention_fwd(
     # grouped-query attention: GROUP q heads share a k/v head
     h_kv = (h // GROUP).to(tl.int64)
     h = h.to(tl.int64)
+    q_base = Q + b * sqb + h * sqh
+    k_base = K + b * skb + h_kv * skh
+    v_base = V + b * svb + h_kv * svh
+    o_base = O + b * sob + h * soh
+    lse_base = LSE + bh.to(tl.int64) * seq_q  # L: (batch, heads, seq_q)
+    if VARLEN:
+        # Packed sequences (batch strides 0): b is a sequence, rows cu[b] to cu[b + 1]
+        # of the packed q (and of k, v); from here on seq_q, seq_k are its lengths.
+        row0 = tl.load(CuSeqQ + b).to(tl.int64)
+        col0 = tl.load(CuSeqK + b).to(tl.int64)
+        lse_base = LSE + h * seq_q + row0  # L: (heads, packed rows)
+        seq_q = (tl.load(CuSeqQ + b + 1) - row0).to(tl.int32)
+        seq_k = (tl.load(CuSeqK + b + 1) - col0).to(tl.int32)
+        offset = offset * (seq_k - seq_q)  # bottom-right within the sequence
+        q_base += row0 * sqm
+        k_base += col0 * skn
+        v_base += col0 * svn
+        o_base += row0 * som
 
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     row_ok = rows < seq_q
     dim_ok = dims < D  # head_dim padded up to a power of two >= 16 (tl.dot's minimum)
     q = tl.load(
-        Q + b * sqb + h * sqh + rows[:, None] * sqm + dims[None, :] * sqd,
+        q_base + rows[:, None] * sqm + dims[None, :] * sqd,
         mask=row_ok[:, None] & dim_ok[None, :],
         other=0.0,
     )
     if UPCAST:
         # the interpreter's bf16 dot is broken; fp32 holds bf16 exactly
         q = q.to(tl.float32)
-    k_base = K + b * skb + h_kv * skh
-    v_base = V + b * svb + h_kv * svh
 
     # The online-softmax state of each row: max m, sum l of exp(s - m), output acc = Σ
     # exp(s-m) v.
@@ -138,6 +160,9 @@ def _attention_fwd(
             first_row = tile_m * BLOCK_M
             lo = tl.maximum(first_row + offset - window + 1, 0)
             lo = (lo // BLOCK_N) * BLOCK_N  # start on a tile boundary
+    if VARLEN:
+        # the grid covers the longest sequence: a tile past this one's end has no row
+        hi = tl.where(tile_m * BLOCK_M < seq_q, hi, lo)
     visited = 0
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
@@ -155,6 +180,9 @@ def _attention_fwd(
             tl.dot(q, kt, input_precision=DOT_PRECISION, out_dtype=tl.float32)
             * qk_scale
         )
+        if SOFTCAP:
+            # c·tanh(scale·q·k/c), before the mask (qk_scale: scale/c; softcap: c·log2e)
+            s = tanh(s) * softcap
         keep = col_ok[None, :] & row_ok[:, None]
         if CAUSAL:
             keep = keep & (cols[None, :] <= rows[:, None] + offset)
@@ -192,19 +220,21 @@ def _attention_fwd(
         # For the backward: L = log Σ_j exp(s_j) = (m + log2 l)·ln 2 (m is in base 2).
         # A row that sees no key gets +inf, so that exp(s - L) = 0 there: 0 gradients.
         lse = tl.where(l > 0.0, (m + tl.log2(l_pos)) * 0.6931471805599453, float("inf"))
-        tl.store(LSE + bh.to(tl.int64) * seq_q + rows, lse, mask=row_ok)
+        tl.store(lse_base + rows, lse, mask=row_ok)
     # Normalize once at the end.
     out = acc / l_pos[:, None]
-    o_ptr = O + b * sob + h * soh + rows[:, None] * som + dims[None, :]
+    o_ptr = o_base + rows[:, None] * som + dims[None, :]
     tl.store(
         o_ptr, round_to(out, O.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :]
     )
     tl.store(Tiles + bh.to(tl.int64) * tl.num_programs(0) + tile_m, visited)
 
 
-def _check(q, k, v, causal, scale, window):
-    """Every argument check, before any launch; returns (alignment or None, scale,
-    window)."""
+def _check_tensors(q, k, v, packed=False):
+    """The checks of q, k and v: types, dtypes, devices and shapes, either
+    ``(batch, heads, seq, head_dim)`` or, ``packed``, ``(rows, heads, head_dim)``."""
+    ndim, seq, what = (3, 0, "(rows, heads, head_dim)") if packed else (4, 2, "")
+    what = what or "(batch, heads, seq, head_dim)"
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -212,11 +242,9 @@ def _check(q, k, v, causal, scale, window):
             raise TypeError(
                 f"{name} must be float32, float16 or bfloat16, got {t.dtype}"
             )
-        if t.dim() != 4:
+        if t.dim() != ndim:
             raise ValueError(
-                f"{name} must have 4 dimensions (batch, heads, seq, "
-                "head_dim), "
-                f"got shape {tuple(t.shape)}"
+                f"{name} must have {ndim} dimensions {what}, got shape {tuple(t.shape)}"
             )
         _validate.check_device(t, name)
     for name, t in (("k", k), ("v", v)):
@@ -227,18 +255,18 @@ def _check(q, k, v, causal, scale, window):
                 f"{name} is on {t.device} but q is on {q.device}; put "
                 "them on one device"
             )
-        if t.shape[0] != q.shape[0]:
+        if not packed and t.shape[0] != q.shape[0]:
             raise ValueError(
                 f"{name} must have q's batch size, {q.shape[0]}, got {t.shape[0]}"
             )
-        if t.shape[3] != q.shape[3]:
+        if t.shape[-1] != q.shape[-1]:
             raise ValueError(
-                f"{name} must have q's head_dim, {q.shape[3]}, got {t.shape[3]}"
+                f"{name} must have q's head_dim, {q.shape[-1]}, got {t.shape[-1]}"
             )
-    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+    if k.shape[1] != v.shape[1] or k.shape[seq] != v.shape[seq]:
         raise ValueError(
-            f"v must have k's heads and seq_k, {tuple(k.shape[1:3])}, "
-            f"got {tuple(v.shape[1:3])}"
+            f"v must have k's heads and {'rows' if packed else 'seq_k'}, "
+            f"{(k.shape[1], k.shape[seq])}, got {(v.shape[1], v.shape[seq])}"
         )
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
         raise ValueError(
@@ -247,10 +275,15 @@ def _check(q, k, v, causal, scale, window):
             "grouped-query attention shares each k/v head among a group "
             "of q heads"
         )
-    if not 1 <= q.shape[3] <= MAX_HEAD_DIM:
+    if not 1 <= q.shape[-1] <= MAX_HEAD_DIM:
         raise ValueError(
-            f"head_dim must be between 1 and {MAX_HEAD_DIM}, got {q.shape[3]}"
+            f"head_dim must be between 1 and {MAX_HEAD_DIM}, got {q.shape[-1]}"
         )
+
+
+def _check_options(head_dim, causal, scale, window, softcap):
+    """The checks of the keywords; returns (alignment or None, scale, window, softcap
+    or None)."""
     if isinstance(causal, bool):
         alignment = ALIGNMENTS[True] if causal else None
     elif isinstance(causal, str) and causal in ALIGNMENTS:
@@ -260,7 +293,7 @@ def _check(q, k, v, causal, scale, window):
             f"causal must be False, True, 'bottom_right' or 'top_left', got {causal!r}"
         )
     if scale is None:
-        scale = q.shape[3] ** -0.5
+        scale = head_dim**-0.5
     elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(
             f"scale must be a real number or None, got {type(scale).__name__}"
@@ -285,39 +318,58 @@ def _check(q, k, v, causal, scale, window):
                 "before)"
             )
         window = int(window)
-    return alignment, scale, window
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+            raise TypeError(
+                f"softcap must be a real number or None, got {type(softcap).__name__}"
+            )
+        softcap = float(softcap)
+        if softcap == 0.0:
+            softcap = None  # 0 means no cap, as FlashAttention's softcap=0.0
+        elif not 0.0 < softcap < float("inf"):
+            raise ValueError(
+                f"softcap must be a finite number > 0 (or 0 or None: no cap), "
+                f"got {softcap}"
+            )
+    return alignment, scale, window, softcap
 
 
-def _forward(q, k, v, alignment, scale, window, save_lse=False):
-    """Launch on checked inputs; returns (output, visited, L). visited: key tiles per
-    program; L: the log-sum-exp per row (fp32, (batch, heads, seq_q)) when ``save_lse``,
-    else None."""
+def _check(q, k, v, causal, scale, window, softcap=None):
+    """Every argument check, before any launch; returns (alignment or None, scale,
+    window, softcap or None)."""
+    _check_tensors(q, k, v)
+    return _check_options(q.shape[3], causal, scale, window, softcap)
+
+
+def _launch_forward(q, k, v, out, lse, visited, alignment, scale, window, softcap,
+                    cu_seqlens=None):  # fmt: skip
+    """Run the forward kernel on ``(batch, heads, seq, head_dim)`` tensors and write
+    ``out``, ``visited`` and, unless it is None, ``lse`` ((batch, heads, seq_q)).
+
+    ``cu_seqlens = (cu_q, cu_k)`` (int32): packed sequences, as
+    :mod:`normbook.attention_varlen` passes them: q, k, v and out are views of the
+    packed rows with batch stride 0 (batch = sequences, seq = all packed rows), lse is
+    (heads, packed rows) and the grid is ``visited``'s shape, transposed."""
     B, H, seq_q, D = q.shape
     H_kv, seq_k = k.shape[1], k.shape[2]
-    out = torch.empty((B, H, seq_q, D), dtype=q.dtype, device=q.device)
-    lse = None
-    if save_lse:
-        lse = torch.empty((B, H, seq_q), dtype=torch.float32, device=q.device)
     BLOCK_M, BLOCK_N, BLOCK_D, num_warps = tile_config(D, q.dtype, _capability(q))
-    grid = (triton.cdiv(seq_q, BLOCK_M), B * H)
-    visited = torch.empty(grid[::-1], dtype=torch.int32, device=q.device)
-    if out.numel() == 0:
-        return out, visited, lse
-    if seq_k == 0:  # no key at all: every row is fully masked: 0, and L = +inf
-        if save_lse:
-            lse.fill_(float("inf"))
-        return out.zero_(), visited.zero_(), lse
-    # Bottom-right: the diagonal ends at the last key (offset seq_k - seq_q); top-left:
-    # at 0.
-    offset = seq_k - seq_q if alignment == "bottom_right" else 0
+    varlen = cu_seqlens is not None
+    if varlen:  # the kernel takes each sequence's own offset: 1 says bottom-right
+        offset = 1 if alignment == "bottom_right" else 0
+    else:  # bottom-right: the diagonal ends at the last key (seq_k - seq_q); top-left 0
+        offset = seq_k - seq_q if alignment == "bottom_right" else 0
+    cu_q, cu_k = cu_seqlens if varlen else (visited, visited)  # placeholders
+    qk_scale, cap = _score_scales(scale, softcap)
     with device_guard(q):
-        _attention_fwd[grid](
+        _attention_fwd[visited.shape[::-1]](
             q,
             k,
             v,
             out,
             visited,
-            lse if save_lse else out,  # out: a placeholder
+            out if lse is None else lse,  # out: a placeholder
+            cu_q,
+            cu_k,
             *q.stride(),
             *k.stride(),
             *v.stride(),
@@ -327,20 +379,45 @@ def _forward(q, k, v, alignment, scale, window, save_lse=False):
             seq_q,
             seq_k,
             D,
-            scale * LOG2E,
+            qk_scale,
             offset,
             window or 0,
+            cap,
             CAUSAL=alignment is not None,
             WINDOW=window is not None,
+            SOFTCAP=softcap is not None,
+            VARLEN=varlen,
             UPCAST=INTERPRET,
             DOT_PRECISION="ieee",  # fp32 products, not TF32
-            SAVE_LSE=save_lse,
+            SAVE_LSE=lse is not None,
             BLOCK_M=BLOCK_M,
             BLOCK_N=BLOCK_N,
             BLOCK_D=BLOCK_D,
             num_warps=num_warps,
             **LAUNCH,
         )
+
+
+def _forward(q, k, v, alignment, scale, window, softcap=None, save_lse=False):
+    """Launch on checked inputs; returns (output, visited, L). visited: key tiles per
+    program; L: the log-sum-exp per row (fp32, (batch, heads, seq_q)) when ``save_lse``,
+    else None."""
+    B, H, seq_q, D = q.shape
+    seq_k = k.shape[2]
+    out = torch.empty((B, H, seq_q, D), dtype=q.dtype, device=q.device)
+    lse = None
+    if save_lse:
+        lse = torch.empty((B, H, seq_q), dtype=torch.float32, device=q.device)
+    BLOCK_M = tile_config(D, q.dtype, _capability(q))[0]
+    grid = (triton.cdiv(seq_q, BLOCK_M), B * H)
+    visited = torch.empty(grid[::-1], dtype=torch.int32, device=q.device)
+    if out.numel() == 0:
+        return out, visited, lse
+    if seq_k == 0:  # no key at all: every row is fully masked: 0, and L = +inf
+        if save_lse:
+            lse.fill_(float("inf"))
+        return out.zero_(), visited.zero_(), lse
+    _launch_forward(q, k, v, out, lse, visited, alignment, scale, window, softcap)
     return out, visited, lse
 
 
@@ -349,10 +426,12 @@ class AttentionFunction(torch.autograd.Function):
     per-row log-sum-exp L (fp32), never the probabilities."""
 
     @staticmethod
-    def forward(ctx, q, k, v, alignment, scale, window):
-        out, _, lse = _forward(q, k, v, alignment, scale, window, save_lse=True)
+    def forward(ctx, q, k, v, alignment, scale, window, softcap):
+        out, _, lse = _forward(
+            q, k, v, alignment, scale, window, softcap, save_lse=True
+        )
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (alignment, scale, window)
+        ctx.args = (alignment, scale, window, softcap)
         return out
 
     @staticmethod
@@ -362,10 +441,10 @@ class AttentionFunction(torch.autograd.Function):
         grads = _backward(
             do, q, k, v, out, lse, *ctx.args, needs=ctx.needs_input_grad[:3]
         )
-        return (*grads, None, None, None)
+        return (*grads, None, None, None, None)
 
 
-def attention(q, k, v, *, causal=False, scale=None, window=None):
+def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None):
     r"""``softmax(scale · q kᵀ + mask) v``, never holding the ``seq_q × seq_k`` scores
     in memory.
 
@@ -382,6 +461,9 @@ def attention(q, k, v, *, causal=False, scale=None, window=None):
         scale: multiplies the scores; default ``1/sqrt(head_dim)``.
         window: with ``causal``, each query sees at most ``window`` keys: itself and the
             ``window - 1`` before it (Mistral's sliding window).
+        softcap: a cap ``c > 0`` turns each scaled score ``s`` into ``c·tanh(s/c)``
+            before the mask and the softmax (Gemma 2's ``attn_logit_softcapping``,
+            FlashAttention's ``softcap``); ``None`` or ``0``: no cap.
 
     Returns a tensor of q's shape and dtype. Scores, softmax state and output are
     accumulated in fp32; the probabilities are rounded to the input dtype before
@@ -397,18 +479,18 @@ def attention(q, k, v, *, causal=False, scale=None, window=None):
     Raises:
         TypeError / ValueError naming the bad argument, before any launch.
     """
-    alignment, scale, window = _check(q, k, v, causal, scale, window)
+    args = _check(q, k, v, causal, scale, window, softcap)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return AttentionFunction.apply(q, k, v, alignment, scale, window)
-    return _forward(q, k, v, alignment, scale, window)[0]
+        return AttentionFunction.apply(q, k, v, *args)
+    return _forward(q, k, v, *args)[0]
 
 
-def tiles_visited(q, k, v, *, causal=False, scale=None, window=None):
+def tiles_visited(q, k, v, *, causal=False, scale=None, window=None, softcap=None):
     """(visited, total): key tiles the kernel visited, summed over its programs, and the
     tiles a kernel without skipping would visit. Runs the kernel; the count comes from
     the kernel."""
-    alignment, scale, window = _check(q, k, v, causal, scale, window)
-    out, visited, _ = _forward(q, k, v, alignment, scale, window)
+    args = _check(q, k, v, causal, scale, window, softcap)
+    out, visited, _ = _forward(q, k, v, *args)
     BLOCK_N = tile_config(q.shape[3], q.dtype, _capability(q))[1]
     total = visited.numel() * triton.cdiv(k.shape[2], BLOCK_N)
     return int(visited.sum()), total

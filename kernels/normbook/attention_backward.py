@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ._config import LAUNCH, LOG2E, _capability, tile_config
 from ._runtime import INTERPRET, device_guard
-from ._triton_utils import round_to
+from ._triton_utils import round_to, tanh
 
 
 @triton.jit
@@ -84,6 +84,8 @@ def _attention_bwd_dkdv(
     Delta,
     DK,
     DV,  # pointers: inputs, dO, the forward's L, D; dK, dV
+    CuSeqQ,
+    CuSeqK,  # VARLEN: cumulative sequence lengths of the packed q and k rows
     sqb,
     sqh,
     sqm,
@@ -107,13 +109,16 @@ def _attention_bwd_dkdv(
     GROUP,
     seq_q,
     seq_k,
-    D,  # q heads, q heads per k/v head, lengths, head_dim
+    D,  # q heads, q heads per k/v head, lengths (VARLEN: packed rows), head_dim
     qk_scale,
     scale,
     offset,
-    window,  # scale·log2(e), scale; causal offset; window
+    window,
+    softcap,  # scale·log2(e) (SOFTCAP: scale/c), scale; causal offset; window; c·log2 e
     CAUSAL: tl.constexpr,
     WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    VARLEN: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -126,6 +131,23 @@ def _attention_bwd_dkdv(
     H_kv = H // GROUP
     b = (bh_kv // H_kv).to(tl.int64)
     h_kv = (bh_kv % H_kv).to(tl.int64)
+    k_base = K + b * skb + h_kv * skh
+    v_base = V + b * svb + h_kv * svh
+    dk_base = DK + b * sdkb + h_kv * sdkh
+    dv_base = DV + b * sdkb + h_kv * sdkh
+    if VARLEN:
+        # Packed sequences (batch strides 0): b is a sequence, rows cu[b] to cu[b + 1];
+        # L and D are (heads, packed rows); seq_q, seq_k become the sequence's lengths.
+        row0 = tl.load(CuSeqQ + b).to(tl.int64)
+        col0 = tl.load(CuSeqK + b).to(tl.int64)
+        packed_q = seq_q
+        seq_q = (tl.load(CuSeqQ + b + 1) - row0).to(tl.int32)
+        seq_k = (tl.load(CuSeqK + b + 1) - col0).to(tl.int32)
+        offset = offset * (seq_k - seq_q)  # bottom-right within the sequence
+        k_base += col0 * skn
+        v_base += col0 * svn
+        dk_base += col0 * sdkn
+        dv_base += col0 * sdkn
 
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
@@ -133,12 +155,12 @@ def _attention_bwd_dkdv(
     dim_ok = dims < D
     kv_ok = col_ok[:, None] & dim_ok[None, :]
     k = tl.load(
-        K + b * skb + h_kv * skh + cols[:, None] * skn + dims[None, :] * skd,
+        k_base + cols[:, None] * skn + dims[None, :] * skd,
         mask=kv_ok,
         other=0.0,
     )
     v = tl.load(
-        V + b * svb + h_kv * svh + cols[:, None] * svn + dims[None, :] * svd,
+        v_base + cols[:, None] * svn + dims[None, :] * svd,
         mask=kv_ok,
         other=0.0,
     )
@@ -160,6 +182,9 @@ def _attention_bwd_dkdv(
         if WINDOW:
             last_col = tl.minimum(tile_n * BLOCK_N + BLOCK_N, seq_k) - 1
             hi = tl.maximum(tl.minimum(hi, last_col - offset + window), 0)
+    if VARLEN:
+        # the grid covers the longest sequence: a tile past this one's end has no key
+        hi = tl.where(tile_n * BLOCK_N < seq_k, hi, lo)
     # GQA: the GROUP q heads that share this k/v head, in a fixed order (0, 1, …): dK
     # and dV are sums over them, taken in registers and in the same order every run.
     for g in range(0, GROUP):
@@ -167,6 +192,11 @@ def _attention_bwd_dkdv(
         h = h_kv * GROUP + g
         q_base = Q + b * sqb + h * sqh
         do_base = DO + b * sdob + h * sdoh
+        l_off = bh * seq_q  # L and D: (batch, heads, seq_q)
+        if VARLEN:
+            q_base += row0 * sqm
+            do_base += row0 * sdom
+            l_off = h * packed_q + row0  # (heads, packed rows)
         for start in range(lo, hi, BLOCK_M):
             rows = start + tl.arange(0, BLOCK_M)
             row_ok = rows < seq_q
@@ -184,12 +214,15 @@ def _attention_bwd_dkdv(
                 qt = qt.to(tl.float32)
                 do = do.to(tl.float32)
             # L in base 2; a padding row reads +inf: its p is 0, as a fully masked row's
-            lse2 = tl.load(LSE + bh * seq_q + rows, mask=row_ok, other=float("inf"))
+            lse2 = tl.load(LSE + l_off + rows, mask=row_ok, other=float("inf"))
             lse2 = lse2 * 1.4426950408889634  # log2(e)
-            delta = tl.load(Delta + bh * seq_q + rows, mask=row_ok, other=0.0)
+            delta = tl.load(Delta + l_off + rows, mask=row_ok, other=0.0)
             # Pᵀ recomputed from L: p_ij = exp(s_ij − L_i), transposed (keys × queries).
             st = tl.dot(k, qt, input_precision=DOT_PRECISION, out_dtype=tl.float32)
             st = st * qk_scale
+            if SOFTCAP:
+                tt = tanh(st)  # the capped score c·tanh(s/c), as the forward
+                st = tt * softcap
             keep = col_ok[:, None] & row_ok[None, :]
             if CAUSAL:
                 keep = keep & (cols[:, None] <= rows[None, :] + offset)
@@ -208,6 +241,9 @@ def _attention_bwd_dkdv(
                 v, tl.trans(do), input_precision=DOT_PRECISION, out_dtype=tl.float32
             )
             dst = pt * (dpt - delta[None, :])
+            if SOFTCAP:
+                # through the cap: d(c·tanh(s/c))/ds = 1 − tanh²(s/c)
+                dst = dst * (1.0 - tt * tt)
             dst_low = round_to(dst, Q.dtype.element_ty)
             if UPCAST:
                 dst_low = dst_low.to(tl.float32)
@@ -219,9 +255,9 @@ def _attention_bwd_dkdv(
             )
     # S = scale · Q Kᵀ, so dK = scale · dSᵀ Q (the scale once, at the end).
     dk = dk * scale
-    out = DK + b * sdkb + h_kv * sdkh + cols[:, None] * sdkn + dims[None, :]
+    out = dk_base + cols[:, None] * sdkn + dims[None, :]
     tl.store(out, round_to(dk, DK.dtype.element_ty), mask=kv_ok)
-    out = DV + b * sdkb + h_kv * sdkh + cols[:, None] * sdkn + dims[None, :]
+    out = dv_base + cols[:, None] * sdkn + dims[None, :]
     tl.store(out, round_to(dv, DV.dtype.element_ty), mask=kv_ok)
 
 
@@ -234,6 +270,8 @@ def _attention_bwd_dq(
     LSE,
     Delta,
     DQ,  # pointers: inputs, dO, the forward's L, D; output
+    CuSeqQ,
+    CuSeqK,  # VARLEN: cumulative sequence lengths of the packed q and k rows
     sqb,
     sqh,
     sqm,
@@ -257,13 +295,16 @@ def _attention_bwd_dq(
     GROUP,
     seq_q,
     seq_k,
-    D,  # q heads, q heads per k/v head, lengths, head_dim
+    D,  # q heads, q heads per k/v head, lengths (VARLEN: packed rows), head_dim
     qk_scale,
     scale,
     offset,
-    window,  # scale·log2(e), scale; causal offset; window
+    window,
+    softcap,  # scale·log2(e) (SOFTCAP: scale/c), scale; causal offset; window; c·log2 e
     CAUSAL: tl.constexpr,
     WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    VARLEN: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -278,6 +319,25 @@ def _attention_bwd_dq(
     h = bh % H
     h_kv = (h // GROUP).to(tl.int64)
     h = h.to(tl.int64)
+    q_base = Q + b * sqb + h * sqh
+    do_base = DO + b * sdob + h * sdoh
+    dq_base = DQ + b * sdqb + h * sdqh
+    k_base = K + b * skb + h_kv * skh
+    v_base = V + b * svb + h_kv * svh
+    l_off = bh.to(tl.int64) * seq_q  # L and D: (batch, heads, seq_q)
+    if VARLEN:
+        # Packed sequences (batch strides 0), as the forward
+        row0 = tl.load(CuSeqQ + b).to(tl.int64)
+        col0 = tl.load(CuSeqK + b).to(tl.int64)
+        l_off = h * seq_q + row0  # (heads, packed rows)
+        seq_q = (tl.load(CuSeqQ + b + 1) - row0).to(tl.int32)
+        seq_k = (tl.load(CuSeqK + b + 1) - col0).to(tl.int32)
+        offset = offset * (seq_k - seq_q)  # bottom-right within the sequence
+        q_base += row0 * sqm
+        do_base += row0 * sdom
+        dq_base += row0 * sdqm
+        k_base += col0 * skn
+        v_base += col0 * svn
 
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
@@ -285,24 +345,21 @@ def _attention_bwd_dq(
     dim_ok = dims < D
     q_ok = row_ok[:, None] & dim_ok[None, :]
     q = tl.load(
-        Q + b * sqb + h * sqh + rows[:, None] * sqm + dims[None, :] * sqd,
+        q_base + rows[:, None] * sqm + dims[None, :] * sqd,
         mask=q_ok,
         other=0.0,
     )
     do = tl.load(
-        DO + b * sdob + h * sdoh + rows[:, None] * sdom + dims[None, :] * sdod,
+        do_base + rows[:, None] * sdom + dims[None, :] * sdod,
         mask=q_ok,
         other=0.0,
     )
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
-    bh = bh.to(tl.int64)
-    lse2 = tl.load(LSE + bh * seq_q + rows, mask=row_ok, other=float("inf"))
+    lse2 = tl.load(LSE + l_off + rows, mask=row_ok, other=float("inf"))
     lse2 = lse2 * 1.4426950408889634  # L in base 2; padding rows +inf: p = 0
-    delta = tl.load(Delta + bh * seq_q + rows, mask=row_ok, other=0.0)
-    k_base = K + b * skb + h_kv * skh
-    v_base = V + b * svb + h_kv * svh
+    delta = tl.load(Delta + l_off + rows, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     # The key tiles the forward visited, and no others.
@@ -314,6 +371,8 @@ def _attention_bwd_dq(
         if WINDOW:
             lo = tl.maximum(tile_m * BLOCK_M + offset - window + 1, 0)
             lo = (lo // BLOCK_N) * BLOCK_N
+    if VARLEN:
+        hi = tl.where(tile_m * BLOCK_M < seq_q, hi, lo)  # past the sequence's end
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < seq_k
@@ -331,6 +390,9 @@ def _attention_bwd_dq(
             tl.dot(q, kt, input_precision=DOT_PRECISION, out_dtype=tl.float32)
             * qk_scale
         )
+        if SOFTCAP:
+            t = tanh(s)  # the capped score c·tanh(s/c), as the forward
+            s = t * softcap
         keep = col_ok[None, :] & row_ok[:, None]
         if CAUSAL:
             keep = keep & (cols[None, :] <= rows[:, None] + offset)
@@ -339,6 +401,8 @@ def _attention_bwd_dq(
         p = tl.where(keep, tl.exp2(s - lse2[:, None]), 0.0)
         dp = tl.dot(do, vt, input_precision=DOT_PRECISION, out_dtype=tl.float32)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)  # through the cap: 1 − tanh²(s/c)
         ds_low = round_to(ds, Q.dtype.element_ty)
         if UPCAST:
             ds_low = ds_low.to(tl.float32)
@@ -346,7 +410,7 @@ def _attention_bwd_dq(
             ds_low, tl.trans(kt), input_precision=DOT_PRECISION, out_dtype=tl.float32
         )
     dq = dq * scale  # S = scale · Q Kᵀ, so dQ = scale · dS K
-    out = DQ + b * sdqb + h * sdqh + rows[:, None] * sdqm + dims[None, :]
+    out = dq_base + rows[:, None] * sdqm + dims[None, :]
     tl.store(out, round_to(dq, DQ.dtype.element_ty), mask=q_ok)
 
 
@@ -377,7 +441,17 @@ def bwd_tile_config(head_dim: int, dtype: torch.dtype, capability=None, kernel="
     return owned, step, block_d, warps  # BLOCK_M queries owned, BLOCK_N keys per step
 
 
-def _backward(do, q, k, v, out, lse, alignment, scale, window, needs=(True,) * 3):
+def _score_scales(scale, softcap):
+    """(qk_scale, softcap) as the forward and backward kernels take them: the score in
+    base 2 is q·k · scale·log2 e; with a cap c, c·tanh(q·k · scale/c)·log2 e, so then
+    qk_scale is scale/c and the kernels' softcap is c·log2 e."""
+    if softcap is None:
+        return scale * LOG2E, 0.0
+    return scale / softcap, softcap * LOG2E
+
+
+def _backward(do, q, k, v, out, lse, alignment, scale, window, softcap=None,
+              needs=(True,) * 3):  # fmt: skip
     """(dq, dk, dv) from dO and the forward's saved q, k, v, O and L; None where
     ``needs`` (q, k, v) says no gradient is wanted."""
     B, H, seq_q, D = q.shape
@@ -392,7 +466,31 @@ def _backward(do, q, k, v, out, lse, alignment, scale, window, needs=(True,) * 3
     if B * H * seq_q == 0 or seq_k == 0:
         # No query, or no key: nothing depends on anything, every gradient is 0.
         return tuple(None if g is None else g.zero_() for g in (dq, dk, dv))
-    offset = seq_k - seq_q if alignment == "bottom_right" else 0
+    _launch_backward(
+        do, q, k, v, out, lse, dq, dk, dv, alignment, scale, window, softcap
+    )
+    return dq, dk, dv
+
+
+def _launch_backward(do, q, k, v, out, lse, dq, dk, dv, alignment, scale, window,
+                     softcap, varlen=None):  # fmt: skip
+    """Run the three backward kernels on ``(batch, heads, seq, head_dim)`` tensors,
+    writing ``dq`` and ``dk``, ``dv`` where they are not None.
+
+    ``varlen = (cu_q, cu_k, max_seqlen_q, max_seqlen_k)``: packed sequences, as
+    :mod:`normbook.attention_varlen` passes them: every tensor but ``lse`` is a view of
+    the packed rows with batch stride 0 (batch = sequences, seq = all packed rows),
+    ``lse`` is (heads, packed rows), and the grids cover the longest sequence."""
+    B, H, seq_q, D = q.shape
+    H_kv, seq_k = k.shape[1], k.shape[2]
+    if varlen is None:
+        offset = seq_k - seq_q if alignment == "bottom_right" else 0
+        cu_q = cu_k = lse  # placeholders, never read
+        longest_q, longest_k, B_pre = seq_q, seq_k, B
+    else:  # the kernels take each sequence's own offset: 1 says bottom-right
+        offset = 1 if alignment == "bottom_right" else 0
+        cu_q, cu_k, longest_q, longest_k = varlen
+        B_pre = 1  # D of each packed row once: one batch of them all
     cap = _capability(q)
     # sm_75 has no bf16 tensor cores and these tiles use none: multiply in fp32 there
     # (products of fp16/bf16 numbers are exact in fp32, so nothing changes but the
@@ -401,16 +499,20 @@ def _backward(do, q, k, v, out, lse, alignment, scale, window, needs=(True,) * 3
     common = dict(
         CAUSAL=alignment is not None,
         WINDOW=window is not None,
+        SOFTCAP=softcap is not None,
+        VARLEN=varlen is not None,
         UPCAST=upcast,
         DOT_PRECISION="ieee",
         **LAUNCH,
     )
     strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
-    sizes = (H, H // H_kv, seq_q, seq_k, D, scale * LOG2E, scale, offset, window or 0)
-    delta = torch.empty((B, H, seq_q), dtype=torch.float32, device=q.device)
+    qk_scale, softcap2 = _score_scales(scale, softcap)
+    sizes = (H, H // H_kv, seq_q, seq_k, D, qk_scale, scale, offset, window or 0)
+    sizes = (*sizes, softcap2)
+    delta = torch.empty((B_pre, H, seq_q), dtype=torch.float32, device=q.device)
     BLOCK_M, _, BLOCK_D, num_warps = tile_config(D, q.dtype, cap)
     with device_guard(q):
-        _attention_bwd_preprocess[(triton.cdiv(seq_q, BLOCK_M), B * H)](
+        _attention_bwd_preprocess[(triton.cdiv(seq_q, BLOCK_M), B_pre * H)](
             out,
             do,
             delta,
@@ -424,11 +526,11 @@ def _backward(do, q, k, v, out, lse, alignment, scale, window, needs=(True,) * 3
             num_warps=num_warps,
             **LAUNCH,
         )
-        if want_kv:
+        if dk is not None:
             BLOCK_M, BLOCK_N, BLOCK_D, num_warps = bwd_tile_config(
                 D, q.dtype, cap, "dkdv"
             )
-            _attention_bwd_dkdv[(triton.cdiv(seq_k, BLOCK_N), B * H_kv)](
+            _attention_bwd_dkdv[(triton.cdiv(longest_k, BLOCK_N), B * H_kv)](
                 q,
                 k,
                 v,
@@ -437,6 +539,8 @@ def _backward(do, q, k, v, out, lse, alignment, scale, window, needs=(True,) * 3
                 delta,
                 dk,
                 dv,
+                cu_q,
+                cu_k,
                 *strides,
                 *dk.stride()[:3],
                 *sizes,
@@ -446,11 +550,11 @@ def _backward(do, q, k, v, out, lse, alignment, scale, window, needs=(True,) * 3
                 num_warps=num_warps,
                 **common,
             )
-        if want_q:
+        if dq is not None:
             BLOCK_M, BLOCK_N, BLOCK_D, num_warps = bwd_tile_config(
                 D, q.dtype, cap, "dq"
             )
-            _attention_bwd_dq[(triton.cdiv(seq_q, BLOCK_M), B * H)](
+            _attention_bwd_dq[(triton.cdiv(longest_q, BLOCK_M), B * H)](
                 q,
                 k,
                 v,
@@ -458,6 +562,8 @@ def _backward(do, q, k, v, out, lse, alignment, scale, window, needs=(True,) * 3
                 lse,
                 delta,
                 dq,
+                cu_q,
+                cu_k,
                 *strides,
                 *dq.stride()[:3],
                 *sizes,
@@ -467,4 +573,3 @@ def _backward(do, q, k, v, out, lse, alignment, scale, window, needs=(True,) * 3
                 num_warps=num_warps,
                 **common,
             )
-    return dq, dk, dv

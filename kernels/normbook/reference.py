@@ -367,19 +367,28 @@ def attention_mask(seq_q, seq_k, causal=False, window=None, device=None):
     return keep
 
 
-def attention(q, k, v, causal=False, scale=None, window=None):
-    r"""O = softmax(scale · Q Kᵀ + mask) V in float64, for (batch, heads, seq, head_dim)
-    inputs.
+def attention_scores(q, k, scale=None, softcap=None):
+    r"""S = scale · Q Kᵀ in float64, k's heads repeated for GQA; with a cap c (Gemma 2's
+    soft-capping), S = c · tanh(scale · Q Kᵀ / c). Shape (batch, heads, seq_q,
+    seq_k)."""
+    q, k = _d(q), _d(k)
+    k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = scale * (q @ k.transpose(-1, -2))
+    return s if not softcap else softcap * torch.tanh(s / softcap)
+
+
+def attention(q, k, v, causal=False, scale=None, window=None, softcap=None):
+    r"""O = softmax(S + mask) V in float64, for (batch, heads, seq, head_dim) inputs,
+    with S = scale · Q Kᵀ, soft-capped to c · tanh(S / c) if ``softcap`` is c.
 
     k and v may have fewer heads (grouped-query attention: q head h uses k/v head h //
     (heads / kv_heads)). The mask adds −∞ where a key is hidden; a row that sees no key
     (every score −∞) is defined as 0, the empty sum, instead of softmax's 0/0 = NaN."""
     q, k, v = _d(q), _d(k), _d(v)
     group = q.shape[-3] // k.shape[-3]
-    k = k.repeat_interleave(group, dim=-3)
     v = v.repeat_interleave(group, dim=-3)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    s = scale * (q @ k.transpose(-1, -2))
+    s = attention_scores(q, k, scale, softcap)
     keep = attention_mask(q.shape[-2], k.shape[-2], causal, window, device=s.device)
     s = s.masked_fill(~keep, float("-inf"))
     m = s.amax(dim=-1, keepdim=True)
@@ -390,13 +399,10 @@ def attention(q, k, v, causal=False, scale=None, window=None):
     return (e @ v) / torch.where(l > 0, l, torch.ones_like(l))
 
 
-def attention_probs(q, k, causal=False, scale=None, window=None):
-    r"""P = softmax(scale · Q Kᵀ + mask) in float64, with k's heads repeated for GQA; a
-    row that sees no key is all zeros. Shape (batch, heads, seq_q, seq_k)."""
-    q, k = _d(q), _d(k)
-    k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    s = scale * (q @ k.transpose(-1, -2))
+def attention_probs(q, k, causal=False, scale=None, window=None, softcap=None):
+    r"""P = softmax(S + mask) in float64 (S: :func:`attention_scores`); a row that sees
+    no key is all zeros. Shape (batch, heads, seq_q, seq_k)."""
+    s = attention_scores(q, k, scale, softcap)
     keep = attention_mask(q.shape[-2], k.shape[-2], causal, window, device=s.device)
     s = s.masked_fill(~keep, float("-inf"))
     m = s.amax(dim=-1, keepdim=True)
@@ -405,33 +411,38 @@ def attention_probs(q, k, causal=False, scale=None, window=None):
     return e / torch.where(l > 0, l, torch.ones_like(l))
 
 
-def attention_lse(q, k, causal=False, scale=None, window=None):
-    r"""L_i = log Σ_j exp(s_ij) over the keys row i sees (float64); +inf for a row that
-    sees none, so that exp(s − L) = 0 there. Shape (batch, heads, seq_q)."""
-    q, k = _d(q), _d(k)
-    k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    s = scale * (q @ k.transpose(-1, -2))
+def attention_lse(q, k, causal=False, scale=None, window=None, softcap=None):
+    r"""L_i = log Σ_j exp(s_ij) over the keys row i sees (float64; s:
+    :func:`attention_scores`); +inf for a row that sees none, so that exp(s − L) = 0
+    there. Shape (batch, heads, seq_q)."""
+    s = attention_scores(q, k, scale, softcap)
     keep = attention_mask(q.shape[-2], k.shape[-2], causal, window, device=s.device)
     lse = torch.logsumexp(s.masked_fill(~keep, float("-inf")), dim=-1)
     return torch.where(keep.any(dim=-1), lse, torch.full_like(lse, float("inf")))
 
 
-def attention_backward(q, k, v, do, causal=False, scale=None, window=None):
+def attention_backward(
+    q, k, v, do, causal=False, scale=None, window=None, softcap=None
+):
     r"""(dQ, dK, dV) of attention, written as the book derives them (float64):
 
     P = softmax(S), dV = Pᵀ dO, dP = dO Vᵀ, D_i = Σ_d dO_id O_id (= Σ_j P_ij dP_ij),
     dS = P ∘ (dP − D), dQ = scale · dS K, dK = scale · dSᵀ Q; with GQA, dK and dV are
-    summed over the q heads that share each k/v head."""
+    summed over the q heads that share each k/v head. With a cap c the score is
+    c · tanh(S₀ / c) of the raw S₀ = scale · Q Kᵀ, whose derivative is
+    1 − tanh²(S₀ / c): dS₀ = dS ∘ (1 − tanh²(S₀ / c)) replaces dS in dQ and dK."""
     q, k, v, do = _d(q), _d(k), _d(v), _d(do)
     group = q.shape[-3] // k.shape[-3]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    p = attention_probs(q, k, causal, scale, window)
+    p = attention_probs(q, k, causal, scale, window, softcap)
     kr, vr = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
     o = p @ vr
     dp = do @ vr.transpose(-1, -2)
     D = (do * o).sum(dim=-1, keepdim=True)
     ds = p * (dp - D)
+    if softcap:
+        t = torch.tanh(attention_scores(q, k, scale) / softcap)
+        ds = ds * (1 - t * t)
     dq = scale * (ds @ kr)
     dk = scale * (ds.transpose(-1, -2) @ q)
     dv = p.transpose(-1, -2) @ do
@@ -440,6 +451,31 @@ def attention_backward(q, k, v, do, causal=False, scale=None, window=None):
         return g.unflatten(-3, (k.shape[-3], group)).sum(dim=-3)
 
     return dq, per_kv_head(dk), per_kv_head(dv)
+
+
+def attention_varlen(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, scale=None, window=None,
+    softcap=None,
+):  # fmt: skip
+    r"""Packed sequences in float64: q is (total_q, heads, head_dim), k and v (total_k,
+    kv_heads, head_dim); sequence b is rows cu_q[b]:cu_q[b + 1] of q and cu_k[b]:cu_k[b
+    + 1] of k, v, and sees its own keys only: :func:`attention` on each sequence (so
+    ``causal`` is bottom-right within each), 0 for a query of a sequence without keys.
+    Returns (total_q, heads, head_dim); autograd through it gives the vjp."""
+    q, k, v = _d(q), _d(k), _d(v)
+    cq, ck = (torch.as_tensor(c).tolist() for c in (cu_seqlens_q, cu_seqlens_k))
+    out = []
+    for b in range(len(cq) - 1):
+        qb, kb, vb = (
+            t[c[b] : c[b + 1]].transpose(0, 1)[None]  # (1, heads, length, head_dim)
+            for t, c in ((q, cq), (k, ck), (v, ck))
+        )
+        if kb.shape[-2] == 0:  # no key: the empty sum
+            out.append(torch.zeros_like(qb[0].transpose(0, 1)))
+            continue
+        o = attention(qb, kb, vb, causal, scale, window, softcap)
+        out.append(o[0].transpose(0, 1))
+    return torch.cat(out) if out else q[:0] * 0.0
 
 
 # ---------------------------------------------------------------- sampling
