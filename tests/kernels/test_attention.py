@@ -5,17 +5,23 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from attention_bounds import error_bound
 from conftest import LOW_PRECISION, UNIT_ROUNDOFF, assert_rejected_before_launch, randn
 
 from normbook import DEVICE, attention
+from normbook import _triton_utils as tu
 from normbook import reference as ref
 from normbook._config import _capability, tile_config
+from normbook._triton_utils import tanh
 from normbook.attention import tiles_visited
 
 
-def assert_within_bound(out, q, k, v, causal=False, window=None, scale=None):
-    o, bound = error_bound(q, k, v, out.dtype, causal, window, scale)
+def assert_within_bound(
+    out, q, k, v, causal=False, window=None, scale=None, softcap=None
+):
+    o, bound = error_bound(q, k, v, out.dtype, causal, window, scale, softcap)
     out64 = out.double().cpu()
     assert out64.shape == o.shape
     assert not torch.isnan(out64).any(), (
@@ -274,6 +280,16 @@ def test_requires_grad_takes_the_autograd_path():
 @pytest.mark.parametrize(
     "call, exc, words",
     [
+        (lambda q, k, v: attention(q, k, v, softcap=-1.0), ValueError, "softcap"),
+        (lambda q, k, v: attention(q, k, v, softcap=math.inf), ValueError, "softcap"),
+        (lambda q, k, v: attention(q, k, v, softcap=math.nan), ValueError, "softcap"),
+        (lambda q, k, v: attention(q, k, v, softcap=True), TypeError, "softcap"),
+        (lambda q, k, v: attention(q, k, v, softcap="30"), TypeError, "softcap"),
+        (
+            lambda q, k, v: attention(q, k, v, softcap=torch.tensor(30.0)),
+            TypeError,
+            "softcap",
+        ),
         (lambda q, k, v: attention(q.double(), k, v), TypeError, "q must be float32"),
         (lambda q, k, v: attention(q, k.half(), v), TypeError, "k must have q's dtype"),
         (lambda q, k, v: attention(q[0], k, v), ValueError, "q must have 4 dimensions"),
@@ -338,3 +354,115 @@ def test_head_dim_above_128_is_rejected(monkeypatch):
         ValueError,
         "head_dim must be between 1 and 128",
     )
+
+
+# ---------------------------------------------------------------- soft-capping
+
+
+@triton.jit
+def apply_tanh(X, Y, N, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(Y + i, tanh(tl.load(X + i, mask=i < N)), mask=i < N)
+
+
+def test_tanh_from_exp2():
+    """The kernels' tanh (normbook._triton_utils.tanh) against float64 over 2·10⁵
+    points: within 6u = 6·2⁻²⁴ relatively, as its docstring argues, at 0, near 0 (where
+    the polynomial takes over from (1 − z)/(1 + z)), at ±inf (±1, no overflow) and
+    1e30; NaN stays NaN. Its polynomial is tanh's Taylor series (sympy)."""
+    import sympy
+
+    x = torch.cat(
+        [
+            torch.linspace(-12.0, 12.0, 100_001),
+            torch.logspace(-30, 1, 50_000),
+            -torch.logspace(-30, 1, 50_000),
+            torch.tensor([0.0, 0.25, -0.25, math.inf, -math.inf, 1e30, -1e30]),
+        ]
+    ).to(DEVICE)
+    y = torch.empty_like(x)
+    apply_tanh[(triton.cdiv(x.numel(), 8192),)](x, y, x.numel(), BLOCK=8192)
+    exact = torch.tanh(x.double().cpu())
+    y = y.double().cpu()
+    rel = (y - exact).abs() / exact.abs().clamp_min(1e-300)
+    assert rel.max().item() <= 6 * 2.0**-24, rel.max().item() / 2.0**-24
+    assert y[-4:].tolist() == [1.0, -1.0, 1.0, -1.0]
+    nan, y_nan = (
+        torch.full((1,), math.nan, device=DEVICE),
+        torch.zeros(1, device=DEVICE),
+    )
+    apply_tanh[(1,)](nan, y_nan, 1, BLOCK=16)
+    assert torch.isnan(y_nan).all()
+    z = sympy.symbols("z")
+    series = sympy.series(sympy.tanh(z), z, 0, 15).removeO()
+    coefs = [tu._T3, tu._T5, tu._T7, tu._T9, tu._T11]
+    assert series.coeff(z, 1) == 1
+    for n, c in zip((3, 5, 7, 9, 11), coefs):
+        assert float(series.coeff(z, n)) == c.value
+    # the first term left out, at the switch to the quotient: below 2⁻³¹ relatively
+    left_out = abs(series.coeff(z, 13)) * sympy.Rational(1, 4) ** 13
+    assert float(left_out / sympy.tanh(sympy.Rational(1, 4))) < 2.0**-31
+
+
+#: (B, H, H_kv, seq_q, seq_k, D): one tile and partial tiles, seq_q < = > seq_k, GQA.
+#: The caps 1.5 (below most scores: inputs ×2, so |s| ~ 4 and tanh saturates) and 50
+#: (Gemma 2's; nearly linear) take both branches of tanh; a cap left out or applied
+#: after the mask moves outputs by ~|v|, far above the bound.
+SOFTCAP_SHAPES = [(1, 2, 1, 7, 7, 16), (1, 2, 2, 37, 70, 32), (1, 4, 2, 70, 33, 64)]
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+@pytest.mark.parametrize("causal", [False, True, "top_left"])
+@pytest.mark.parametrize("softcap", [1.5, 50.0])
+@pytest.mark.parametrize("shape", SOFTCAP_SHAPES, ids=str)
+def test_softcap_matches_reference(shape, softcap, causal, dtype, poison_empty):
+    B, H, H_kv, seq_q, seq_k, D = shape
+    q, k, v = qkv(B, H, H_kv, seq_q, seq_k, D, dtype, scale=2.0)
+    out = attention(q, k, v, causal=causal, softcap=softcap)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert_within_bound(out, q, k, v, causal=causal, softcap=softcap)
+
+
+@pytest.mark.parametrize("window", [1, 5])
+def test_softcap_with_window_and_scale(window):
+    q, k, v = qkv(1, 2, 1, 40, 50, 16, torch.float32, scale=3.0)
+    kw = dict(causal=True, window=window, softcap=2.0, scale=0.4)
+    assert_within_bound(attention(q, k, v, **kw), q, k, v, **kw)
+
+
+def test_softcap_is_gemma2s():
+    """Against transformers' Gemma 2 eager attention (scaling, / softcap, tanh, ·
+    softcap, then the mask and the softmax) in float64, GQA and a causal mask."""
+    pytest.importorskip("transformers")
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    class Module(torch.nn.Module):
+        num_key_value_groups, head_dim = 2, 16
+
+    q, k, v = qkv(1, 4, 2, 9, 9, 16, torch.float32, scale=3.0)
+    mask = torch.full((9, 9), -math.inf).triu(1)[None, None]
+    hf, _ = eager_attention_forward(
+        Module().eval(), *(t.double().cpu() for t in (q, k, v)), mask, 0.0, 0.25, 5.0
+    )
+    ours = attention(q, k, v, causal=True, scale=0.25, softcap=5.0)
+    o, bound = error_bound(q, k, v, torch.float32, True, None, 0.25, 5.0)
+    assert bool(((ours.double().cpu() - hf.transpose(1, 2)).abs() <= bound).all())
+
+
+def test_softcap_zero_or_none_is_no_cap():
+    """softcap=0 (FlashAttention's default) or None: the uncapped kernel, bit for bit."""
+    q, k, v = qkv(1, 2, 1, 20, 20, 16, torch.float16, scale=2.0)
+    plain = attention(q, k, v, causal=True)
+    assert torch.equal(attention(q, k, v, causal=True, softcap=0), plain)
+    assert torch.equal(attention(q, k, v, causal=True, softcap=None), plain)
+    assert not torch.equal(attention(q, k, v, causal=True, softcap=1.0), plain)
+
+
+def test_softcap_keeps_nan_keys_masked():
+    """The cap is taken before the mask, and the mask selects −∞ with where: a NaN
+    key behind the causal mask still cannot reach earlier queries."""
+    q, k, v = qkv(1, 1, 1, 8, 8, 16, torch.float32)
+    k[0, 0, 5, 3] = float("nan")
+    out = attention(q, k, v, causal=True, softcap=3.0)
+    nan_rows = torch.isnan(out[0, 0]).any(dim=1).cpu()
+    assert nan_rows.tolist() == [False] * 5 + [True] * 3
