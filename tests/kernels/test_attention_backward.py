@@ -34,7 +34,7 @@ U32 = 2.0**-24
 
 
 @torch.no_grad()
-def grad_bounds(q, k, v, do, causal=False, window=None, scale=None):
+def grad_bounds(q, k, v, do, causal=False, window=None, scale=None, softcap=None):
     """((dq, dk, dv) exact, (bounds)): elementwise bounds on |kernel − exact|, float64,
     CPU.
 
@@ -59,6 +59,11 @@ def grad_bounds(q, k, v, do, causal=False, window=None, scale=None):
       dS. A dropped D, a wrong group sum, a missing scale or a mask off by one key moves
       gradients by about |P|·|dO|·|v| — orders of magnitude above these bounds at these
       sizes.
+    * A soft cap c: the scores' δ grows as in attention_bounds.error_bound, and dS is
+      multiplied by g = 1 − t², t = tanh(x) recomputed with an error of (1 − t²)·δ/c
+      (the input's) plus 16·2⁻²⁴·|t| (its own): g errs by 2|t| times that, plus two
+      roundings. A dropped g moves dq, dk by |dS|·t², far above the bound where the
+      cap bites.
     """
     dtype = q.dtype
     u = UNIT_ROUNDOFF[dtype]
@@ -71,25 +76,34 @@ def grad_bounds(q, k, v, do, causal=False, window=None, scale=None):
     scale = Dh**-0.5 if scale is None else scale
     kr, vr = k64.repeat_interleave(G, 1), v64.repeat_interleave(G, 1)
     keep = ref.attention_mask(M, N, causal, window).double()
-    P = ref.attention_probs(q64, k64, causal, scale, window)
-    L = ref.attention_lse(q64, k64, causal, scale, window)
-    exact = ref.attention_backward(q64, k64, v64, do64, causal, scale, window)
+    P = ref.attention_probs(q64, k64, causal, scale, window, softcap)
+    L = ref.attention_lse(q64, k64, causal, scale, window, softcap)
+    exact = ref.attention_backward(q64, k64, v64, do64, causal, scale, window, softcap)
     O = P @ vr
     dP = do64 @ vr.transpose(-1, -2)
     Dv = (do64 * O).sum(-1, keepdim=True)
-    dS = P * (dP - Dv)
+    dS = P * (dP - Dv)  # with a cap: dS of the capped scores, g = 1 − t² applied below
     qk = abs(scale) * (q64.abs() @ kr.abs().transpose(-1, -2)) * keep
     delta = (Dh + 4) * U32 * qk.amax(-1, keepdim=True)
+    delta_cap = delta
+    if softcap:
+        t = torch.tanh(ref.attention_scores(q64, k64, scale) / softcap)
+        capped = (softcap * t).abs() * keep
+        delta_cap = delta + 18 * U32 * capped.amax(-1, keepdim=True)
     L_abs = torch.where(torch.isfinite(L), L.abs(), torch.zeros_like(L))[..., None]
-    eps = 2 * delta + (N + 72) * U32 + 4 * L_abs * U32
-    _, err_o = error_bound(q, k, v, dtype, causal, window, scale)
+    eps = 2 * delta_cap + (N + 72) * U32 + 4 * L_abs * U32
+    _, err_o = error_bound(q, k, v, dtype, causal, window, scale, softcap)
     e_D = (Dh + 4) * U32 * (do64.abs() * O.abs()).sum(-1, keepdim=True) + (
         do64.abs() * err_o
     ).sum(-1, keepdim=True)
     e_dP = (Dh + 4) * U32 * (do64.abs() @ vr.abs().transpose(-1, -2))
-    err_ds = (
-        P * (e_dP + e_D) + eps * P * (dP - Dv).abs() + u_low * dS.abs() + sub * keep
-    )
+    err_ds = P * (e_dP + e_D) + eps * P * (dP - Dv).abs()
+    if softcap:
+        g = 1 - t * t
+        err_g = 2 * t.abs() * (g * delta / softcap + 16 * U32 * t.abs()) + 2 * U32
+        err_ds = err_ds * g + dS.abs() * err_g
+        dS = dS * g
+    err_ds = err_ds + u_low * dS.abs() + sub * keep
 
     def acc(n):  # fp32 sum of n terms, any order (a GPU's reduction tree too)
         return (n + 64) * U32
@@ -111,9 +125,9 @@ def grad_bounds(q, k, v, do, causal=False, window=None, scale=None):
 
 
 def assert_grads_within_bound(
-    grads, q, k, v, do, causal=False, window=None, scale=None
+    grads, q, k, v, do, causal=False, window=None, scale=None, softcap=None
 ):
-    exact, bounds = grad_bounds(q, k, v, do, causal, window, scale)
+    exact, bounds = grad_bounds(q, k, v, do, causal, window, scale, softcap)
     worst = 0.0
     for name, g, e, b in zip(("dq", "dk", "dv"), grads, exact, bounds):
         g = on_cpu(g).double()
@@ -412,3 +426,95 @@ def test_bad_arguments_requiring_grad_are_rejected_before_launch(
     assert_rejected_before_launch(
         monkeypatch, "attention", lambda: call(q, k, v), exc, words
     )
+
+
+# ---------------------------------------------------------------- soft-capping
+
+
+def test_softcap_derivative():
+    """d/ds c·tanh(s/c) = 1 − tanh²(s/c) (sympy): the factor the kernels apply to dS,
+    dS₀ = dS ∘ (1 − tanh²(S₀/c)), by the chain rule through the cap."""
+    import sympy
+
+    s, c = sympy.symbols("s c", positive=True)
+    capped = c * sympy.tanh(s / c)
+    assert sympy.simplify(sympy.diff(capped, s) - (1 - sympy.tanh(s / c) ** 2)) == 0
+
+
+def closed_form(**kw):
+    """An autograd Function: the reference forward, the reference's closed-form
+    backward (the formula the kernels implement)."""
+
+    class Closed(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            ctx.save_for_backward(q, k, v)
+            return ref.attention(q, k, v, **kw)
+
+        @staticmethod
+        def backward(ctx, dout):
+            return ref.attention_backward(*ctx.saved_tensors, dout, **kw)
+
+    return Closed
+
+
+def test_softcap_reference_formula_is_autograd_and_gradcheck():
+    """The closed form the kernels implement (normbook.reference.attention_backward
+    with softcap) equals float64 autograd of the capped forward, and passes
+    torch.autograd.gradcheck (finite differences, float64) as a Function's backward.
+    The kernels take no float64, so their own check is test_softcap_gradcheck_fp32."""
+    for causal, window, seq_q, seq_k in [(False, None, 4, 6), (True, 2, 6, 5)]:
+        q, k, v = (
+            (torch.randn(1, h, n, 3, dtype=torch.float64) * 2).requires_grad_()
+            for h, n in ((4, seq_q), (2, seq_k), (2, seq_k))
+        )
+        do = torch.randn(1, 4, seq_q, 3, dtype=torch.float64)
+        kw = dict(causal=causal, scale=0.9, window=window, softcap=1.3)
+        ref.attention(q, k, v, **kw).backward(do)
+        got = ref.attention_backward(q, k, v, do, causal, 0.9, window, 1.3)
+        for g, t in zip(got, (q, k, v)):
+            torch.testing.assert_close(g, t.grad, rtol=1e-12, atol=1e-12)
+        inputs = tuple(t.detach().requires_grad_() for t in (q, k, v))
+        assert torch.autograd.gradcheck(closed_form(**kw).apply, inputs)
+
+
+@pytest.mark.filterwarnings("ignore:Input #.*not a double precision")
+def test_softcap_gradcheck_fp32():
+    """torch.autograd.gradcheck through the kernels themselves, in fp32 (they take no
+    float64): central differences with step 1e-2 err by ~1e-5 (fp32 rounding over the
+    step, the step² term); a dropped 1 − tanh² factor (cap 1, |s| ~ 2) is off by ~1."""
+    q, k, v = qkv(1, 2, 1, 5, 6, 4, torch.float32, scale=2.0)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: attention(q, k, v, causal=True, softcap=1.0),
+        (q, k, v),
+        eps=1e-2,
+        atol=2e-3,
+        rtol=2e-2,
+        fast_mode=True,  # uᵀJv for random u, v: a few launches, not one per element
+    )
+
+
+#: (B, H, H_kv, seq_q, seq_k, D): partial tiles on both sides, seq_q < and > seq_k,
+#: GQA (dk, dv sum a group); caps 1.5 (saturating: inputs ×2, |s| ~ 4) and 50 (Gemma 2's)
+SOFTCAP_SHAPES = [(1, 4, 2, 20, 45, 16), (1, 2, 2, 37, 9, 32)]
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+@pytest.mark.parametrize("causal", [False, True, "top_left"])
+@pytest.mark.parametrize("softcap", [1.5, 50.0])
+@pytest.mark.parametrize("shape", SOFTCAP_SHAPES, ids=str)
+def test_softcap_gradients_match_float64(shape, softcap, causal, dtype, poison_empty):
+    B, H, H_kv, seq_q, seq_k, D = shape
+    q, k, v = qkv(B, H, H_kv, seq_q, seq_k, D, dtype, scale=2.0)
+    do = randn(B, H, seq_q, D, dtype=dtype)
+    grads = grads_of(q, k, v, do, causal=causal, softcap=softcap)
+    assert_grads_within_bound(grads, q, k, v, do, causal=causal, softcap=softcap)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [1, 7])
+def test_softcap_with_window(window, dtype, poison_empty):
+    q, k, v = qkv(1, 2, 1, 30, 40, 16, dtype, scale=3.0)
+    do = randn(1, 2, 30, 16, dtype=dtype)
+    kw = dict(causal=True, window=window, softcap=2.0, scale=0.3)
+    assert_grads_within_bound(grads_of(q, k, v, do, **kw), q, k, v, do, **kw)
