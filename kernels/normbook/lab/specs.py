@@ -136,6 +136,17 @@ def torch_attention(q, k, v, causal=True):
     )
 
 
+def torch_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=True, **_):
+    """SDPA per packed sequence (its top-left causal = bottom-right: len_k = len_q)."""
+    import torch
+
+    def split(t, cu):  # the packed sequences, as (1, heads, length, head_dim)
+        return [s.transpose(0, 1)[None] for s in t.split(cu.diff().tolist())]
+
+    parts = zip(split(q, cu_seqlens_q), split(k, cu_seqlens_k), split(v, cu_seqlens_k))
+    return torch.cat([torch_attention(*p, causal)[0].transpose(0, 1) for p in parts])
+
+
 def torch_linear_cross_entropy(hidden, weight, target):
     """As transformers: logits, upcast, cross-entropy."""
     import torch
@@ -249,6 +260,19 @@ def _attention_bytes(a, backward):
     # forward: read q, k, v; write the output (no score matrix). backward: read q, k,
     # v, O, dO (and L, D: one number a row); write dq, dk, dv
     return _bytes(q, k, v, q) if not backward else _bytes(q, k, v, q, q, q, k, v)
+
+
+def _attention_varlen_inputs(M, N, make):
+    """M tokens packed as documents of ragged lengths, each half of what is left (at
+    most SEQ): 2048, 1024, …, 2, 1, 1 at M = 4096; N = query heads · head_dim, GQA."""
+    (hq, hk), d = _heads(N), HEAD_DIM
+    cu = [0]
+    while cu[-1] < M:
+        cu.append(cu[-1] + min(SEQ, (M - cu[-1] + 1) // 2))
+    n = max(b - a for a, b in zip(cu, cu[1:]))
+    cu = make.tokens(cu).int()
+    out = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=n, max_seqlen_k=n)
+    return {"q": make(M, hq, d), "k": make(M, hk, d), "v": make(M, hk, d), **out}
 
 
 def _sample_inputs(M, N, make):
@@ -472,6 +496,7 @@ SPECS = (
         # rounding noise, which a check relative to the largest value cannot judge.
         min_rows={"backward": 64},
         inspect_dtypes=_NO_FP64,
+        variants=(Variant("softcap", {"softcap": 50.0}, _NO_FP64),),  # Gemma 2's cap
         inspect_s=20,
     ),
     KernelSpec(
@@ -556,6 +581,19 @@ SPECS = (
         plan=Plan(((8192, 4096),), (), ((64, 8),)),
         inspect="its own launches are cross_entropy's kernels between cuBLAS products, "
         "which the inspector cannot lower",
+    ),
+    KernelSpec(
+        "attention_varlen",
+        _attention_varlen_inputs,
+        ("q", "k", "v"),
+        {"causal": True},
+        torch_attention_varlen,
+        "Liger has no varlen attention kernel",
+        _attention_bytes,  # cu_seqlens: a few bytes more
+        {"forward": "", "backward": ""},
+        plan=Plan(((4096, 4096), (8192, 4096)), (0,), ((64, 256),)),
+        min_rows={"backward": 64},  # as attention's
+        inspect_dtypes=_NO_FP64,
     ),
     KernelSpec(
         "row_variance",
