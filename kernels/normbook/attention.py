@@ -32,6 +32,17 @@ Conventions (see the chapter "Causal masks"):
   over no keys is 0, which is what FlashAttention returns and what stops one empty row
   from poisoning everything downstream of it. Its gradients are 0 as well (it depends on
   no q, k or v).
+* ``softcap=c`` (Gemma 2's ``attn_logit_softcapping``, FlashAttention's ``softcap``):
+  each scaled score ``s = scale·q·k`` becomes ``c·tanh(s/c)``, before the mask and the
+  softmax, so no score leaves (−c, c); the backward multiplies dS by ``1 − tanh²(s/c)``
+  (the chain rule through the cap). tanh is built from exp2
+  (:func:`normbook._triton_utils.tanh`); ``SOFTCAP`` is a constexpr: without a cap,
+  none of the cap's code is compiled into the kernels.
+* Packed sequences of different lengths (FlashAttention's varlen layout):
+  :func:`normbook.attention_varlen` runs these kernels and their backward in their
+  ``VARLEN`` mode; every convention above holds within each sequence (``causal`` is
+  aligned per sequence), and each sequence's output is bitwise that of this function
+  on it alone.
 """
 
 import numbers

@@ -23,6 +23,14 @@ kernels: ``_attention_bwd_preprocess`` computes ``D`` once per row;
 ``dV`` once; ``_attention_bwd_dq``, one program per query tile, visits the key tiles as
 the forward does and writes ``dQ`` once. No atomics anywhere: every sum is taken in an
 order fixed by the code, so the gradients are bitwise equal from run to run.
+
+With a soft cap c the score is ``c·tanh(S₀/c)`` of the raw ``S₀ = scale·Q Kᵀ``; since
+``d/ds c·tanh(s/c) = 1 − tanh²(s/c)``, the kernels recompute ``t = tanh(S₀/c)`` beside
+P and use ``dS₀ = dS ∘ (1 − t²)`` in place of dS (``dQ = scale·dS₀ K``,
+``dK = scale·dS₀ᵀ Q``; dV does not change). ``1 − t·t`` in fp32 errs by about 2|t| times
+t's error, an absolute error: small next to the dS it multiplies. With ``VARLEN``
+(packed sequences, :mod:`normbook.attention_varlen`) each program reads its sequence's
+rows from the cumulative lengths, as the forward does.
 """
 
 import torch
