@@ -42,7 +42,7 @@ Conventions (see the chapter "Causal masks"):
   :func:`normbook.attention_varlen` runs these kernels and their backward in their
   ``VARLEN`` mode; every convention above holds within each sequence (``causal`` is
   aligned per sequence), and each sequence's output is bitwise that of this function
-  on it alone.
+  on it alone (checked in the interpreter).
 """
 
 import numbers

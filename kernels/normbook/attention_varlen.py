@@ -14,18 +14,21 @@ rows above the causal diagonal) outputs 0.
 
 The same kernels, not copies. The dense kernels already reach every element through
 strides and compare rows and keys with ``seq_q`` and ``seq_k``. A packed batch is a
-``(sequences, heads, packed rows, head_dim)`` view with batch stride 0; the one new
-step, under ``VARLEN``, is at the top of each kernel: the program's batch index is a
-sequence, whose first rows and lengths are read from ``cu_seqlens`` and take the place
-of ``seq_q`` and ``seq_k``. The rest is the dense kernels' code: masks, skipped tiles,
-the online softmax, the order of every sum. So there is one copy to read and to keep
-right, and the result is *bitwise* that of :func:`normbook.attention` on each sequence
-alone: a program of sequence ``b`` runs the same operations, in the same order, on the
-same values (the tiles depend on head_dim, the dtype and the GPU only), as a program of
-the dense kernel on that sequence; the gradients too (dk, dv of a sequence only sum
-over its own queries). tests/kernels/test_attention_varlen.py checks it bit for bit.
-The grid covers ``max_seqlen_q`` (``max_seqlen_k`` for dk, dv); a program past the end
-of its sequence visits no tile and writes nothing.
+``(sequences, heads, packed rows, head_dim)`` view with batch stride 0, and ``VARLEN``
+adds a few lines to each kernel: at its top, the program's batch index is a sequence,
+whose first rows and lengths are read from ``cu_seqlens`` and take the place of
+``seq_q`` and ``seq_k`` (and of the row offset of L and D); the grid covers
+``max_seqlen_q`` (``max_seqlen_k`` for dk, dv), so a program whose tile starts past its
+sequence's end visits no tile and writes nothing. The rest is the dense kernels' code:
+masks, skipped tiles, the online softmax, the order of every sum. So there is one copy
+to read and to keep right, and the result is *bitwise* that of
+:func:`normbook.attention` on each sequence alone: a program of sequence ``b`` runs the
+same operations, in the same order, on the same values (the tiles depend on head_dim,
+the dtype and the GPU only), as a program of the dense kernel on that sequence; the
+gradients too (dk, dv of a sequence only sum over its own queries).
+tests/kernels/test_attention_varlen.py checks it bit for bit in Triton's interpreter;
+on a GPU we expect the same (the same operations in the same order, FMA contraction
+off), not yet checked there.
 
 Checks. Shapes, dtypes, devices and keywords are checked from metadata; the values of
 ``cu_seqlens`` (first entry 0, non-decreasing, last entry = rows, no sequence longer
@@ -219,7 +222,7 @@ def attention_varlen(
 ):
     r"""Attention over packed sequences of different lengths (FlashAttention's
     ``flash_attn_varlen_func``): each sequence is :func:`normbook.attention` on its own
-    rows, bit for bit.
+    rows, bit for bit (see the module's docstring).
 
     Args:
         q: ``(total_q, heads, head_dim)``, float32, float16 or bfloat16; any strides.
