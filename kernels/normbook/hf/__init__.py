@@ -17,15 +17,24 @@ modules, parameters or buffers, so weights and ``state_dict()`` are untouched) a
   mask is checked to be exactly that pattern, else a ``ValueError``);
 - ``Qwen3MLP``, ``LlamaMLP`` with SiLU: ``act_fn(gate_proj(x)) * up_proj(x)`` →
   :func:`normbook.swiglu`;
-- ``*ForCausalLM`` called with ``labels``: ``lm_head`` then ``ForCausalLMLoss`` →
-  :func:`normbook.linear_cross_entropy`, shifted as ``ForCausalLMLoss``
-  (``ignore_index``, ``shift_labels``, ``num_items_in_batch``); ``logits`` is then
-  ``None``: never computed.
+- ``*ForCausalLM`` called with ``labels`` in training (``model.train()``): ``lm_head``
+  then ``ForCausalLMLoss`` → :func:`normbook.linear_cross_entropy`, shifted as
+  ``ForCausalLMLoss`` (``ignore_index``, ``shift_labels``, ``num_items_in_batch``);
+  ``logits`` is then ``None``: never computed.
 
-Chosen: with ``labels`` the output's ``logits`` is ``None`` (as Liger-Kernel's
-integration does in training): returning them would mean computing the (tokens ×
-vocabulary) tensor the fused loss exists to avoid. Call the model without ``labels`` to
-get logits.
+Chosen: in training with ``labels`` the output's ``logits`` is ``None`` (as
+Liger-Kernel's integration does): returning them would mean computing the (tokens ×
+vocabulary) tensor the fused loss exists to avoid. In eval mode (a Trainer's
+evaluation, whose ``compute_metrics`` reads them) the logits are computed and returned
+with the loss, as transformers does.
+
+Training as engineers run it: gradient checkpointing
+(``model.gradient_checkpointing_enable()``) is honoured by the patched decoder layers
+as by transformers' own; under ``torch.autocast`` every kernel computes in the dtype
+the module's own code would produce there (a norm's ``weight * x̂`` promoted to fp32,
+the projections' and attention's inputs in autocast's dtype, the loss from logits
+rounded to it); a patched model can be deep-copied, pickled and saved whole with
+``torch.save`` (it loads patched).
 
 Not patched, and why: Gemma 3's MLP (GELU-tanh, a GeGLU: no kernel here); a model whose
 config sets logit soft-capping (``final_logit_softcapping``: the loss,
@@ -40,14 +49,12 @@ packed sequences): never a silently ignored mask.
 
 Supported: Qwen3 (``Qwen3ForCausalLM``, ``Qwen3Model``), Llama (``LlamaForCausalLM``,
 ``LlamaModel``) and Gemma 3 text models (``Gemma3ForCausalLM``, ``Gemma3TextModel``), as
-written in transformers 5.x (the pinned 5.24.0 is tested) and 4.5x (4.57.1 checked by
-hand: logits, gradients, generation); anything else raises a ``TypeError``.
+written in transformers 5.x (the pinned 5.24.0 is the version tested; others are not
+claimed); anything else raises a ``TypeError``.
 
 Where a kernel cannot compute exactly what the module computes, the patched forward runs
 the module's own code for that call instead of a wrong or gradient-less answer:
 
-* a norm whose weight dtype differs from the input's (transformers would promote the
-  product to the wider dtype; the kernels return the input's dtype);
 * q and k norms with different ``eps``, or rotary tables in another dtype than q.
 
 Not fused: the residual add *after* the MLP with the next layer's ``input_layernorm``.

@@ -12,14 +12,23 @@ import torch
 from ..attention import DTYPES as ATTENTION_DTYPES
 from ..attention import MAX_HEAD_DIM, attention
 from ..qk_norm_rope import MAX_FUSED_BYTES, qk_norm_rope
-from ._common import _cache_update, _is_transformers_class, _norm_eps, _pop_cache
+from ._common import (
+    _autocast_dtype,
+    _cache_update,
+    _is_transformers_class,
+    _norm_eps,
+    _pop_cache,
+)
 
 # Attention modules with per-head q_norm/k_norm (Qwen3 convention) followed by RoPE.
 _QK_NORM_ATTENTION = {"Qwen3Attention"}
 
 
 def _qk_fusable(self, hidden_states, cos, sin) -> bool:
-    """Qwen3's q_norm, k_norm and RoPE can run as one normbook.qk_norm_rope."""
+    """Qwen3's q_norm, k_norm and RoPE can run as one normbook.qk_norm_rope:
+    ``hidden_states`` is the q projection (under autocast in autocast's dtype, while the
+    norms' weights and the rotary tables stay fp32: then the norms and RoPE run apart,
+    promoted as transformers promotes them)."""
     if not _is_transformers_class(self, _QK_NORM_ATTENTION):
         return False
     qw, kw = self.q_norm.weight, self.k_norm.weight
@@ -74,6 +83,10 @@ def _kernel_attention(self, q, k, v, attention_mask, kwargs):
     runs instead): dropout in training, logit soft-capping, bidirectional attention,
     attention weights asked for, a dtype or head_dim the kernel lacks, a gradient the
     kernel cannot give yet."""
+    cast = _autocast_dtype(q)
+    if cast is not None:
+        # autocast runs SDPA (and eager's products) on its dtype: so does the kernel
+        q, k, v = q.to(cast), k.to(cast), v.to(cast)
     if (
         self.training
         and self.attention_dropout > 0
@@ -117,7 +130,7 @@ def _attention_forward(
     query_states = self.q_proj(hidden_states).view(hidden_shape)
     key_states = self.k_proj(hidden_states).view(hidden_shape)
     value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    if _qk_fusable(self, hidden_states, cos, sin):
+    if _qk_fusable(self, query_states, cos, sin):
         if cos.shape[0] not in (1, query_states.shape[0]):
             batch = query_states.shape[0]
             cos, sin = cos.expand(batch, -1, -1), sin.expand(batch, -1, -1)

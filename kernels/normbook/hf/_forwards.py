@@ -13,27 +13,37 @@ from ..linear_cross_entropy import _linear_cross_entropy
 from ..rms_norm import rms_norm
 from ..swiglu import swiglu
 from ._attention import _attention_forward
-from ._common import _cache_name, _norm_eps, _pop_cache
+from ._common import (
+    _autocast_dtype,
+    _cache_name,
+    _checkpointed,
+    _norm_eps,
+    _pop_cache,
+)
 
 
 def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    """``LlamaRMSNorm`` / ``Qwen3RMSNorm`` on :func:`normbook.rms_norm`."""
+    """``LlamaRMSNorm`` / ``Qwen3RMSNorm`` on :func:`normbook.rms_norm`.
+
+    With the weight in another dtype than the input (autocast's bf16 activations with
+    fp32 weights; a bf16 model fed fp32), transformers computes ``weight *
+    x̂.to(input dtype)``, promoted to the wider dtype: the kernel normalizes (x̂ rounded
+    to the input's dtype, no weight) and that same product runs on PyTorch."""
     if hidden_states.dtype != self.weight.dtype:
-        # transformers promotes; the kernel cannot
-        return type(self).forward(self, hidden_states)
+        return self.weight * rms_norm(hidden_states, None, _norm_eps(self))
     return rms_norm(hidden_states, self.weight, _norm_eps(self))
 
 
 def _gemma_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     """``Gemma3RMSNorm``: ``(x̂ · (1 + γ))`` in fp32, rounded once to the input
-    dtype."""
-    if hidden_states.dtype != self.weight.dtype:
-        return type(self).forward(self, hidden_states)
+    dtype. (transformers upcasts the weight to fp32 too, so the kernel computes the
+    same whatever the weight's dtype.)"""
     return rms_norm(
         hidden_states, self.weight, _norm_eps(self), offset=1.0, casting_mode="gemma"
     )
 
 
+@_checkpointed
 def _decoder_layer_forward(
     self,
     hidden_states,
@@ -65,6 +75,10 @@ def _decoder_layer_forward(
         **kwargs,
     )
     norm = self.post_attention_layernorm
+    if hidden_states.dtype != residual.dtype == norm.weight.dtype:
+        # autocast: o_proj's output in bf16 on an fp32 residual stream. PyTorch's
+        # promotion adds in fp32 with the bf16 operand converted exactly: so do we.
+        hidden_states = hidden_states.to(residual.dtype)
     fusable = (
         hidden_states.dtype == residual.dtype == norm.weight.dtype
         and hidden_states.shape == residual.shape
@@ -106,12 +120,19 @@ def _causal_lm_forward(
     """With ``labels``: the decoder, then the shifted causal-LM loss of ``lm_head`` as
     :func:`normbook.linear_cross_entropy` (transformers' ``ForCausalLMLoss``: labels
     shifted by one, ``ignore_index``, ``num_items_in_batch``), and **no logits**
-    (``logits=None``): they never exist. Without labels (inference, ``generate``): the
-    class's own forward."""
+    (``logits=None``): they never exist — in training only (``model.train()``). In eval
+    mode (a Trainer's evaluation, whose metrics need the logits), without labels
+    (inference, ``generate``) or with options the fused loss lacks: the class's own
+    forward (its norms, attention and MLP still patched).
+
+    Under autocast, ``lm_head``'s inputs are cast to autocast's dtype as ``nn.Linear``'s
+    would be, so the logits are rounded to it before the fp32 loss, as transformers
+    rounds them."""
     cache = _pop_cache(cache, kwargs)
     head = self.lm_head
     fused = (
         labels is not None
+        and self.training
         and isinstance(logits_to_keep, int)
         and logits_to_keep == 0
         and getattr(head, "bias", None) is None
@@ -151,7 +172,10 @@ def _causal_lm_forward(
     num_items = kwargs.get("num_items_in_batch")
     weight = head.weight
     h2d = hidden.reshape(-1, hidden.shape[-1])
-    if h2d.dtype != weight.dtype:
+    cast = _autocast_dtype(h2d)
+    if cast is not None:  # what autocast does to nn.Linear's inputs
+        h2d, weight = h2d.to(cast), weight.to(cast)
+    elif h2d.dtype != weight.dtype:
         # what nn.Linear would refuse; transformers keeps one dtype
         h2d = h2d.to(weight.dtype)
     target = shift_labels.reshape(-1).to(h2d.device)

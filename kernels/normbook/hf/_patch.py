@@ -3,12 +3,10 @@
 
 from __future__ import annotations
 
-import types
-
 from torch import nn
 
 from ._attention import _attention_forward
-from ._common import _is_transformers_class, _set_forward
+from ._common import _is_transformers_class, _patched_fn, _set_forward
 from ._forwards import (
     _causal_lm_forward,
     _decoder_layer_forward,
@@ -47,10 +45,7 @@ _PATCHED_FORWARDS = (
 
 
 def _ours(module: nn.Module) -> bool:
-    forward = module.__dict__.get("forward")
-    return (
-        isinstance(forward, types.MethodType) and forward.__func__ in _PATCHED_FORWARDS
-    )
+    return _patched_fn(module) in _PATCHED_FORWARDS
 
 
 def _check_model(model) -> str:
