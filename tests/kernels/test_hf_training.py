@@ -148,3 +148,42 @@ def test_a_patched_model_saved_whole_loads_patched(how):
         assert torch.equal(twin(ids).logits, model(ids).logits)
         twin.model.norm.weight.mul_(2)
         assert not torch.equal(twin(ids).logits, model(ids).logits)
+
+
+def _ddp_worker(rank, world, folder):
+    """One rank: the saved patched model under DistributedDataParallel (gloo), its half of
+    the batch, one backward; rank 0 saves the (all-reduced, averaged) gradients."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world
+    )
+    try:
+        model = torch.load(f"{folder}/model.pt", weights_only=False).train()
+        assert hf.is_patched(model)
+        device = next(model.parameters()).device
+        ids = torch.load(f"{folder}/ids.pt").chunk(world)[rank].to(device)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        ddp(ids, labels=ids).loss.backward()
+        if rank == 0:
+            grads = {n: p.grad for n, p in model.named_parameters()}
+            torch.save(grads, f"{folder}/grads.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two processes that each import torch, transformers and normbook
+def test_ddp_with_gloo_on_two_processes_equals_one_process(tmp_path):
+    """DDP over two CPU processes (gloo): each rank's half batch, gradients averaged by
+    DDP's all-reduce, equal the gradients of one process on the whole batch (the loss is a
+    mean over equally many tokens per rank) within test_hf.py's gradient bound."""
+    model = hf.patch(qwen3()).train()
+    ids = _ids(batch=4)
+    torch.save(model, tmp_path / "model.pt")  # the patched model itself travels
+    torch.save(ids.cpu(), tmp_path / "ids.pt")
+    model(ids, labels=ids).loss.backward()
+    torch.multiprocessing.spawn(_ddp_worker, args=(2, str(tmp_path)), nprocs=2)
+    grads = torch.load(tmp_path / "grads.pt")
+    for n, p in model.named_parameters():
+        assert _rel(grads[n].to(p.device), p.grad) <= 1e-5, n
