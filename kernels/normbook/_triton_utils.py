@@ -29,41 +29,6 @@ def round_to(x, dtype: tl.constexpr):
         return x.to(dtype)
 
 
-# tanh's odd Taylor coefficients, x³ to x¹¹ (tanh x = x − x³/3 + 2x⁵/15 − …)
-_T3 = tl.constexpr(-1.0 / 3.0)
-_T5 = tl.constexpr(2.0 / 15.0)
-_T7 = tl.constexpr(-17.0 / 315.0)
-_T9 = tl.constexpr(62.0 / 2835.0)
-_T11 = tl.constexpr(-1382.0 / 155925.0)
-
-
-@triton.jit
-def tanh(x):
-    """tanh of fp32 ``x`` from ``exp2`` alone, in the interpreter and on sm_75 to sm_90.
-
-    ``|x| >= 1/4``: tanh|x| = (1 − z) / (1 + z) with z = exp(−2|x|) in (0, 0.61]:
-    nothing overflows (z → 0 as |x| grows, and tanh → 1 exactly; z = 0 at ±inf).
-    ``|x| < 1/4``: 1 − z would cancel (a relative error of about u/(2|x|), u = 2⁻²⁴),
-    so the Taylor polynomial to x¹¹ instead: the first term left out, 21844/6081075 ·
-    x¹³, is below 2⁻³¹ of tanh x there, under fp32's own rounding. NaN stays NaN.
-
-    Rounding, relative: the polynomial is x plus a correction below 2 % of it: about
-    2u. The quotient: exp2's error (amplified by z/(1 − z) ≤ 1.55), the argument's
-    product, 1 − z, 1 + z and the division, each about u: at most about 6u where exp2
-    and the division are correctly rounded, as in the interpreter (3u measured by
-    tests/kernels/test_attention.py, which holds it to 6u); we expect up to about 13u
-    on a GPU, whose ex2.approx and div.full err by up to 2 ulp (not measured here).
-    """
-    a = tl.abs(x)
-    z = tl.exp2(a * -2.8853900817779268)  # exp(−2|x|) = 2^(−2|x|·log2 e)
-    quotient = (1.0 - z) / (1.0 + z)
-    b = tl.minimum(a, 0.25)  # the polynomial's side only (and no overflow in b⁵)
-    a2 = b * b
-    poly = b + b * a2 * (_T3 + a2 * (_T5 + a2 * (_T7 + a2 * (_T9 + a2 * _T11))))
-    t = tl.where(a < 0.25, poly, quotient)
-    return tl.where(x < 0.0, -t, t)
-
-
 @triton.jit
 def chan_combine(mean_a, m2_a, n_a, mean_b, m2_b, n_b):
     """Merge two (mean, M2, count) summaries of disjoint parts of a row (Chan, Golub &
@@ -90,3 +55,36 @@ def _mean(total, N):
         return total / N  # div.rn.f64: IEEE already
     else:
         return tl.math.div_rn(total, tl.zeros_like(total) + N)
+
+
+@triton.jit
+def tanh(x):
+    """tanh of fp32 ``x`` from ``tl.exp2``, with a small relative error: the same code
+    runs in the interpreter and on sm_75, sm_80 and sm_90 (Triton has no tanh that all
+    of them run; the GPU's tanh.approx is off by up to 2^-11 relative).
+
+    For |x| ≥ 0.625: tanh|x| = (1 - t) / (1 + t) with t = exp(-2|x|) = 2^(-2 log2(e)
+    |x|) in (0, 0.29]: t never overflows (it underflows to 0 for |x| > ~52, giving 1
+    exactly). Below 0.625, where 1 - t would cancel, an odd polynomial instead
+    (Cephes' tanhf: x + x·z·P(z), z = x², within 2.2 ulp of tanh). The sign comes back
+    by a select (tanh is odd; NaN stays NaN).
+
+    Rounding, relative to tanh x (at least 0.55 on the exp2 side): exp2's relative
+    error ε (an ulp or two: ex2.approx on a GPU) and the rounding of its argument
+    (2u|x| relative to t) move the quotient by 2t(ε + 2u|x|)/(1 + t)² ≤ 0.3ε + 0.4u;
+    1 - t, 1 + t and the division (IEEE in the interpreter, div.full's 2 ulp on a GPU)
+    add at most 4u; the polynomial's Horner steps add about 2u to its 2.2. In all
+    about 6u, u = 2^-24 (the tests measure it below 3u in the interpreter).
+    """
+    a = tl.abs(x)
+    t = tl.exp2(-2.8853900817779268 * a)  # 2·log2(e)
+    big = (1.0 - t) / (1.0 + t)
+    b = tl.minimum(a, 0.625)  # the polynomial only where it is used
+    z = b * b
+    p = -5.70498872745e-3 * z + 2.06390887954e-2
+    p = p * z - 5.37397155531e-2
+    p = p * z + 1.33314422036e-1
+    p = p * z - 3.33332819422e-1
+    small = b + b * (p * z)
+    r = tl.where(a < 0.625, small, big)
+    return tl.where(x < 0.0, -r, r)

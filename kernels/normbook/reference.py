@@ -380,11 +380,13 @@ def attention_scores(q, k, scale=None, softcap=None):
 
 def attention(q, k, v, causal=False, scale=None, window=None, softcap=None):
     r"""O = softmax(S + mask) V in float64, for (batch, heads, seq, head_dim) inputs,
-    with S = scale · Q Kᵀ, soft-capped to c · tanh(S / c) if ``softcap`` is c.
+    with S = scale · Q Kᵀ (:func:`attention_scores`).
 
     k and v may have fewer heads (grouped-query attention: q head h uses k/v head h //
     (heads / kv_heads)). The mask adds −∞ where a key is hidden; a row that sees no key
-    (every score −∞) is defined as 0, the empty sum, instead of softmax's 0/0 = NaN."""
+    (every score −∞) is defined as 0, the empty sum, instead of softmax's 0/0 = NaN.
+    A soft cap c (None or 0: none) replaces each score s by c · tanh(s / c) before the
+    mask (Gemma 2)."""
     q, k, v = _d(q), _d(k), _d(v)
     group = q.shape[-3] // k.shape[-3]
     v = v.repeat_interleave(group, dim=-3)
@@ -569,13 +571,20 @@ def cached_keys(cache, b, n, block_table=None):
 
 
 def decode_attention(
-    q, k_cache, v_cache, cache_seqlens, block_table=None, scale=None, window=None
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    block_table=None,
+    scale=None,
+    window=None,
+    softcap=None,
 ):
     r"""O[b] = softmax(scale · q[b] K_bᵀ + mask) V_b per row, in float64, where K_b, V_b
     are row b's n_b = cache_seqlens[b] cached keys and values and the S_q queries are
     its last S_q tokens: query i sees keys j ≤ n_b − S_q + i (bottom-right causal; with
     a window also j > n_b − S_q + i − W). A query that sees no key gives 0, as
-    :func:`attention`."""
+    :func:`attention`; a soft cap c makes each score c · tanh(s / c) first."""
     q = _d(q).cpu()
     out = torch.zeros_like(q)
     for b, n in enumerate(torch.as_tensor(cache_seqlens).tolist()):
@@ -583,9 +592,15 @@ def decode_attention(
             continue  # no key at all: 0
         k = cached_keys(k_cache.cpu(), b, n, block_table)[None]
         v = cached_keys(v_cache.cpu(), b, n, block_table)[None]
-        out[b] = attention(q[b : b + 1], k, v, causal=True, scale=scale, window=window)[
-            0
-        ]
+        out[b] = attention(
+            q[b : b + 1],
+            k,
+            v,
+            causal=True,
+            scale=scale,
+            window=window,
+            softcap=softcap,
+        )[0]
     return out
 
 

@@ -5,16 +5,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 from attention_bounds import error_bound
 from conftest import LOW_PRECISION, UNIT_ROUNDOFF, assert_rejected_before_launch, randn
 
 from normbook import DEVICE, attention
-from normbook import _triton_utils as tu
 from normbook import reference as ref
 from normbook._config import _capability, tile_config
-from normbook._triton_utils import tanh
 from normbook.attention import tiles_visited
 
 
@@ -357,51 +353,6 @@ def test_head_dim_above_128_is_rejected(monkeypatch):
 
 
 # ---------------------------------------------------------------- soft-capping
-
-
-@triton.jit
-def apply_tanh(X, Y, N, BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(Y + i, tanh(tl.load(X + i, mask=i < N)), mask=i < N)
-
-
-def test_tanh_from_exp2():
-    """The kernels' tanh (normbook._triton_utils.tanh) against float64 over 2·10⁵
-    points: within 6u = 6·2⁻²⁴ relatively, as its docstring argues, at 0, near 0 (where
-    the polynomial takes over from (1 − z)/(1 + z)), at ±inf (±1, no overflow) and
-    1e30; NaN stays NaN. Its polynomial is tanh's Taylor series (sympy)."""
-    import sympy
-
-    x = torch.cat(
-        [
-            torch.linspace(-12.0, 12.0, 100_001),
-            torch.logspace(-30, 1, 50_000),
-            -torch.logspace(-30, 1, 50_000),
-            torch.tensor([0.0, 0.25, -0.25, math.inf, -math.inf, 1e30, -1e30]),
-        ]
-    ).to(DEVICE)
-    y = torch.empty_like(x)
-    apply_tanh[(triton.cdiv(x.numel(), 8192),)](x, y, x.numel(), BLOCK=8192)
-    exact = torch.tanh(x.double().cpu())
-    y = y.double().cpu()
-    rel = (y - exact).abs() / exact.abs().clamp_min(1e-300)
-    assert rel.max().item() <= 6 * 2.0**-24, rel.max().item() / 2.0**-24
-    assert y[-4:].tolist() == [1.0, -1.0, 1.0, -1.0]
-    nan, y_nan = (
-        torch.full((1,), math.nan, device=DEVICE),
-        torch.zeros(1, device=DEVICE),
-    )
-    apply_tanh[(1,)](nan, y_nan, 1, BLOCK=16)
-    assert torch.isnan(y_nan).all()
-    z = sympy.symbols("z")
-    series = sympy.series(sympy.tanh(z), z, 0, 15).removeO()
-    coefs = [tu._T3, tu._T5, tu._T7, tu._T9, tu._T11]
-    assert series.coeff(z, 1) == 1
-    for n, c in zip((3, 5, 7, 9, 11), coefs):
-        assert float(series.coeff(z, n)) == c.value
-    # the first term left out, at the switch to the quotient: below 2⁻³¹ relatively
-    left_out = abs(series.coeff(z, 13)) * sympy.Rational(1, 4) ** 13
-    assert float(left_out / sympy.tanh(sympy.Rational(1, 4))) < 2.0**-31
 
 
 #: (B, H, H_kv, seq_q, seq_k, D): one tile and partial tiles, seq_q < = > seq_k, GQA.

@@ -140,11 +140,10 @@ def torch_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=True, **_
     """SDPA per packed sequence (its top-left causal = bottom-right: len_k = len_q)."""
     import torch
 
-    def split(t, cu):  # the packed sequences, as (1, heads, length, head_dim)
-        return [s.transpose(0, 1)[None] for s in t.split(cu.diff().tolist())]
-
-    parts = zip(split(q, cu_seqlens_q), split(k, cu_seqlens_k), split(v, cu_seqlens_k))
-    return torch.cat([torch_attention(*p, causal)[0].transpose(0, 1) for p in parts])
+    cq, ck = cu_seqlens_q.diff().tolist(), cu_seqlens_k.diff().tolist()
+    parts = zip(q.split(cq), k.split(ck), v.split(ck))  # (length, heads, head_dim) each
+    o = [torch_attention(*(t.transpose(0, 1)[None] for t in p), causal) for p in parts]
+    return torch.cat([x[0].transpose(0, 1) for x in o])
 
 
 def torch_linear_cross_entropy(hidden, weight, target):
@@ -269,9 +268,8 @@ def _attention_varlen_inputs(M, N, make):
     cu = [0]
     while cu[-1] < M:
         cu.append(cu[-1] + min(SEQ, (M - cu[-1] + 1) // 2))
-    n = max(b - a for a, b in zip(cu, cu[1:]))
-    cu = make.tokens(cu).int()
-    out = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=n, max_seqlen_k=n)
+    c = make.tokens(cu).int()  # the first document is the longest: cu[1] rows
+    out = dict(cu_seqlens_q=c, cu_seqlens_k=c, max_seqlen_q=cu[1], max_seqlen_k=cu[1])
     return {"q": make(M, hq, d), "k": make(M, hk, d), "v": make(M, hk, d), **out}
 
 
@@ -564,6 +562,8 @@ SPECS = (
                 _NO_FP64,
                 lambda M, N, make: _decode_attention_inputs(M, N, make, True),
             ),
+            # Gemma 2's attention cap: the tanh the uncapped kernel compiles without
+            Variant("softcap", {"softcap": 50.0}, _NO_FP64),
         ),
         inspect_s=14,
     ),

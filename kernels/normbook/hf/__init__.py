@@ -1,0 +1,73 @@
+r"""Run a Hugging Face ``transformers`` model on this package's kernels, in place.
+
+``patch(model)`` swaps the *forward methods* of the model's own submodules (never its
+modules, parameters or buffers, so weights and ``state_dict()`` are untouched) and
+``unpatch(model)`` restores them:
+
+- ``Qwen3RMSNorm``, ``LlamaRMSNorm`` → :func:`normbook.rms_norm` (Llama convention: fp32
+  statistics, round to the input dtype, times γ);
+- ``Gemma3RMSNorm`` → :func:`normbook.rms_norm` with the Gemma convention (everything in
+  fp32 with ``1 + γ``, one rounding);
+- decoder layer: ``h = x + attn``, ``post_attention_layernorm(h)`` →
+  :func:`normbook.fused_add_rms_norm` (Qwen3, Llama);
+- ``Qwen3Attention``: ``q_norm``, ``k_norm`` and ``apply_rotary_pos_emb`` →
+  :func:`normbook.qk_norm_rope`;
+- attention (Qwen3, Llama, Gemma 3), prefill and the KV-cache steps of ``generate`` →
+  :func:`normbook.attention` (bottom-right causal, GQA, Gemma 3's sliding window; the
+  mask is checked to be exactly that pattern, else a ``ValueError``);
+- ``Qwen3MLP``, ``LlamaMLP`` with SiLU: ``act_fn(gate_proj(x)) * up_proj(x)`` →
+  :func:`normbook.swiglu`;
+- ``*ForCausalLM`` called with ``labels`` in training (``model.train()``): ``lm_head``
+  then ``ForCausalLMLoss`` → :func:`normbook.linear_cross_entropy`, shifted as
+  ``ForCausalLMLoss`` (``ignore_index``, ``shift_labels``, ``num_items_in_batch``);
+  ``logits`` is then ``None``: never computed.
+
+Chosen: in training with ``labels`` the output's ``logits`` is ``None`` (as
+Liger-Kernel's integration does): returning them would mean computing the (tokens ×
+vocabulary) tensor the fused loss exists to avoid. In eval mode (a Trainer's
+evaluation, whose ``compute_metrics`` reads them) the logits are computed and returned
+with the loss, as transformers does.
+
+Training as engineers run it: gradient checkpointing
+(``model.gradient_checkpointing_enable()``) is honoured by the patched decoder layers
+as by transformers' own; under ``torch.autocast`` every kernel computes in the dtype
+the module's own code would produce there (a norm's ``weight * x̂`` promoted to fp32,
+the projections' and attention's inputs in autocast's dtype, the loss from logits
+rounded to it); a patched model can be deep-copied, pickled and saved whole with
+``torch.save`` (it loads patched).
+
+Not patched, and why: Gemma 3's MLP (GELU-tanh, a GeGLU: no kernel here); a model whose
+config sets logit soft-capping (``final_logit_softcapping``: the loss,
+``attn_logit_softcapping``: the attention; normbook.attention has no soft-cap) runs
+those parts on transformers' code; so does attention with dropout in training,
+bidirectional attention, or ``output_attentions``.
+
+Masks: normbook.attention takes no mask tensor, so the patched attention compares
+transformers' mask with the causal (and sliding-window) pattern once per forward and
+raises a ``ValueError`` for anything else (a padded batch, a static cache's empty slots,
+packed sequences): never a silently ignored mask.
+
+Supported: Qwen3 (``Qwen3ForCausalLM``, ``Qwen3Model``), Llama (``LlamaForCausalLM``,
+``LlamaModel``) and Gemma 3 text models (``Gemma3ForCausalLM``, ``Gemma3TextModel``), as
+written in transformers 5.x (the pinned 5.24.0 is the version tested; others are not
+claimed); anything else raises a ``TypeError``.
+
+Where a kernel cannot compute exactly what the module computes, the patched forward runs
+the module's own code for that call instead of a wrong or gradient-less answer:
+
+* q and k norms with different ``eps``, or rotary tables in another dtype than q.
+
+Not fused: the residual add *after* the MLP with the next layer's ``input_layernorm``.
+That add ends a decoder layer, whose output transformers records
+(``output_hidden_states``, hooks, gradient checkpointing); fusing across the boundary
+would mean rewriting the model's layer loop. Gemma 3's sandwich norms (norm *then* add)
+are patched as norms, not fused.
+"""
+
+from ._common import _set_forward as _set_forward
+from ._forwards import _decoder_layer_forward as _decoder_layer_forward
+from ._forwards import _gemma_rms_norm_forward as _gemma_rms_norm_forward
+from ._patch import SUPPORTED_MODEL_TYPES, is_patched, patch, unpatch
+
+__all__ = ["patch", "unpatch", "is_patched", "SUPPORTED_MODEL_TYPES"]
+# (_set_forward and the two forwards: shown and called by the qwen3_block chapter)
