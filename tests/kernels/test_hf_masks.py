@@ -56,9 +56,9 @@ def build(family, impl):
     """A tiny random model of ``family`` on attention implementation ``impl``."""
     if family == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**SMALL, attn_implementation=impl))
-    elif family == "qwen3_sliding":  # layer 0 full, layer 1 sliding (window 4)
+    elif family == "qwen3_sliding":  # layer 0 full, layers 1 and 2 sliding (window 4)
         cfg = Qwen3Config(
-            **SMALL,
+            **{**SMALL, "num_hidden_layers": 3},
             use_sliding_window=True,
             sliding_window=4,
             max_window_layers=1,
