@@ -161,7 +161,7 @@ def _read(mask, kind, batch, seq_q, seq_k, window):
     if isinstance(keep, str):
         return Unrecognized(keep)
     keep = keep[:, 0].expand(batch, seq_q, seq_k)
-    for top_left in (False, True):
+    for top_left in (False, True) if seq_q != seq_k else (False,):
         if bool((keep == _causal(seq_q, seq_k, window, top_left, keep.device)).all()):
             return Dense("top_left" if top_left else "bottom_right")
     return _varlen(keep, window)
