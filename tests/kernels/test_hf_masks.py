@@ -209,7 +209,8 @@ def test_against_unpatched(family, impl, scenario):
 
 
 def test_padding_and_packing_run_on_the_kernels(monkeypatch):
-    """Padded and packed batches run varlen attention in every layer, not transformers'."""
+    """Padded and packed batches run varlen attention in every layer, not transformers'
+    (and compute what it computes: the quick run's packing case)."""
     calls = []
     real = hf._attention._varlen_attention
     monkeypatch.setattr(
@@ -219,11 +220,11 @@ def test_padding_and_packing_run_on_the_kernels(monkeypatch):
     )
     ref, patched = _pair("qwen3", "sdpa")
     ids, mask = _padded(_ids())
-    with torch.no_grad():
-        patched(ids, attention_mask=mask)
-        assert calls == [BATCH] * 2  # one sequence a row, in each of the 2 layers
-        calls.clear()
-        patched(_ids(), position_ids=PACKED.to(DEVICE), use_cache=False)
+    _check_logits(ref, patched, input_ids=ids, attention_mask=mask)
+    assert calls == [BATCH] * 2  # one sequence a row, in each of the 2 layers
+    calls.clear()
+    packed = dict(input_ids=_ids(), position_ids=PACKED.to(DEVICE), use_cache=False)
+    _check_logits(ref, patched, **packed)
     assert calls == [5] * 2  # 2 + 3 packed sequences
 
 
@@ -282,13 +283,16 @@ def test_strict_accepts_every_mask_the_kernels_compute():
 
 
 @pytest.mark.parametrize(
-    "scenario",
+    "family, scenario",
     [
-        "padded_inference",
-        pytest.param("left_padded_generate", marks=pytest.mark.slow),
+        ("qwen3", "padded_inference"),
+        ("gemma3", "padded_inference"),
+        pytest.param("qwen3", "left_padded_generate", marks=pytest.mark.slow),
+        pytest.param("qwen3", "right_padded_train", marks=pytest.mark.slow),
     ],
+    ids=lambda x: x,
 )
-def test_attn_implementation_normbook(monkeypatch, scenario):
+def test_attn_implementation_normbook(monkeypatch, family, scenario):
     """attn_implementation="normbook" (registered on import of normbook.hf): the kernels run
     every layer's attention without patch(), against the unpatched SDPA model."""
     assert hf.register() == "normbook"  # idempotent
@@ -300,7 +304,7 @@ def test_attn_implementation_normbook(monkeypatch, scenario):
             name,
             lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k),
         )
-    ref = build("qwen3", "sdpa").eval()
+    ref = build(family, "sdpa").eval()
     model = copy.deepcopy(ref)
     model.set_attn_implementation("normbook")
     assert model.config._attn_implementation == "normbook" and not hf.is_patched(model)
@@ -310,6 +314,38 @@ def test_attn_implementation_normbook(monkeypatch, scenario):
     assert calls
     fresh = AutoModelForCausalLM.from_config(ref.config, attn_implementation="normbook")
     assert fresh.config._attn_implementation == "normbook"
+
+
+@pytest.mark.slow  # generation
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_static_cache(monkeypatch, impl):
+    """A static cache: the prefill's mask is the top-left pattern (SDPA: None, its
+    is_causal), on the kernels; a decoding step whose keys include empty slots after the
+    query, which the kernels do not compute: transformers' attention, one warning."""
+    alignments = []
+    real = hf._attention.attention
+    monkeypatch.setattr(
+        hf._attention,
+        "attention",
+        lambda *a, **k: alignments.append(k["causal"]) or real(*a, **k),
+    )
+    ref, patched = _pair("qwen3", impl)
+    ids = _ids(batch=1, seq=5)
+    kw = dict(
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=3,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+        cache_implementation="static",
+    )
+    with torch.no_grad(), pytest.warns(UserWarning, match="static cache") as record:
+        want, got = ref.generate(ids, **kw), patched.generate(ids, **kw)
+    assert len([w for w in record if "normbook.hf" in str(w.message)]) == 1
+    assert torch.equal(got, want)
+    # the prefill in each layer; then the last step, whose query fills the last slot (the
+    # cache holds 5 + 3 - 1 tokens): the plain pattern again
+    assert alignments == ["top_left"] * 2 + ["bottom_right"] * 2
 
 
 # ---------------------------------------------------------------- reading masks directly
