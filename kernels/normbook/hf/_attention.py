@@ -111,10 +111,10 @@ def _kernel_attention(
         out = attention(q, k, v, causal=layout.alignment, scale=scaling, window=window)
         return out.transpose(1, 2)
     # varlen: gather the rows that are not padding, attend per sequence, scatter back
-    (batch, heads, seq_q, head_dim), seq_k = q.shape, k.shape[2]
+    batch, heads, seq_q, head_dim = q.shape
 
-    def rows(t, index):
-        return t.transpose(1, 2).reshape(-1, *t.shape[1:2], head_dim)[index]
+    def rows(t, index):  # (batch, heads, seq, d) -> the chosen (heads, d) rows
+        return t.transpose(1, 2).reshape(-1, t.shape[1], head_dim)[index]
 
     out = _varlen_attention(
         rows(q, layout.q_index),

@@ -12,9 +12,10 @@ pattern from indices. So each mask transformers builds is read as one of
 * :class:`Unrecognized`: anything else (bidirectional, an additive bias, a static
   cache's empty slots, a custom pattern), with the reason.
 
-A layout is accepted only if the mask it implies equals transformers' mask exactly on
-every query row it computes (padded query rows are outputs no other row reads, as their
-columns are masked for every real query): a mask is never silently misread.
+A layout is accepted only if the mask it implies equals transformers' mask exactly (a
+padded query row as transformers builds it: the keys that are not padding, causal by
+column; its output, which no other row reads, is zeros): a mask is never silently
+misread.
 
 The forms seen in transformers 5.24: ``eager`` gets float masks (0 keep, the dtype's
 minimum drop) for every call; ``sdpa`` gets ``None`` where SDPA's own ``is_causal``
@@ -120,15 +121,16 @@ def _varlen(keep, window):
     seg = start.flatten().cumsum(0).view(batch, seq_k) - 1  # global segment id
     rank = key_ok.cumsum(1) - 1  # position among the row's non-padding columns
     q_seg, q_rank = seg[:, off:, None], rank[:, off:, None]
-    implied = (
-        q_ok[:, :, None]
-        & key_ok[:, None, :]
-        & (seg[:, None, :] == q_seg)
-        & (rank[:, None, :] <= q_rank)
-    )
+    # a query: the keys of its sequence up to itself (the window counted in them)
+    implied = key_ok[:, None, :] & (seg[:, None, :] == q_seg)
+    implied &= rank[:, None, :] <= q_rank
     if window is not None:
         implied &= rank[:, None, :] > q_rank - window
-    if bool(((implied != keep) & q_ok[:, :, None]).any()):
+    # a padded query, as transformers masks it (its output is never read): the keys
+    # that are not padding, causal by column
+    padded = key_ok[:, None, :] & _causal(seq_q, seq_k, window, False, keep.device)
+    implied = torch.where(q_ok[:, :, None], implied, padded)
+    if not bool((implied == keep).all()):
         return Unrecognized(
             "not a causal pattern with padding or packed sequences"
             + ("" if window is None else f" (window {window})")
