@@ -47,8 +47,8 @@ zeros, as transformers' FlashAttention path does, where eager and SDPA output va
 that no other position reads. A layout is used only if the mask it implies equals
 transformers' mask exactly. Recognized forms: eager's float masks (0 keep, the dtype's
 minimum drop), SDPA's boolean masks and ``None``. Any other mask (bidirectional, an
-additive bias, a static cache's empty slots, a custom 4-D mask) runs on transformers'
-own attention for that call, with one warning per module class and reason;
+additive bias, a static cache's empty slots, a custom 4-D mask of another pattern) runs
+on transformers' own attention for that call, with one warning per module class and reason;
 ``patch(model, strict=True)`` raises a ``ValueError`` instead. Never a silently ignored
 mask.
 
@@ -56,13 +56,15 @@ Without patching: importing this package registers the kernels' attention with
 transformers as ``attn_implementation="normbook"`` (:func:`register`: its
 ``AttentionInterface`` and, for SDPA's masks, its ``AttentionMaskInterface``), so
 ``AutoModelForCausalLM.from_config(cfg, attn_implementation="normbook")`` or
-``model.set_attn_implementation("normbook")`` runs any model's attention on the
-kernels, with the same mask reading; what they cannot compute runs on SDPA.
+``model.set_attn_implementation("normbook")`` runs the attention of any model that
+dispatches through ``AttentionInterface`` on the kernels, with the same mask reading;
+what they cannot compute runs on SDPA.
 
 Supported: Qwen3 (``Qwen3ForCausalLM``, ``Qwen3Model``), Llama (``LlamaForCausalLM``,
 ``LlamaModel``) and Gemma 3 text models (``Gemma3ForCausalLM``, ``Gemma3TextModel``), as
 written in transformers 5.x (the pinned 5.24.0 is tested) and 4.5x (4.57.1 checked by
-hand: logits, gradients, generation); anything else raises a ``TypeError``.
+hand: logits, gradients, generation; the reading of masks is tested on 5.24 only);
+anything else raises a ``TypeError``.
 
 Where a kernel cannot compute exactly what the module computes, the patched forward runs
 the module's own code for that call instead of a wrong or gradient-less answer:
@@ -87,9 +89,7 @@ from ._patch import SUPPORTED_MODEL_TYPES, is_patched, patch, unpatch
 __all__ = ["patch", "unpatch", "is_patched", "register", "SUPPORTED_MODEL_TYPES"]
 
 try:
-    import transformers  # noqa: F401
-except ImportError:  # patch() needs a transformers model anyway
-    pass
-else:
     register()
+except ImportError:  # no transformers, or one without AttentionInterface: patch() only
+    pass
 # (_set_forward and the two forwards: shown and called by the qwen3_block chapter)
