@@ -48,9 +48,9 @@ that no other position reads. A layout is used only if the mask it implies equal
 transformers' mask exactly. Recognized forms: eager's float masks (0 keep, the dtype's
 minimum drop), SDPA's boolean masks and ``None``. Any other mask (bidirectional, an
 additive bias, a static cache's empty slots, a custom 4-D mask of another pattern) runs
-on transformers' own attention for that call, with one warning per module class and reason;
-``patch(model, strict=True)`` raises a ``ValueError`` instead. Never a silently ignored
-mask.
+on transformers' own attention for that call, with one warning per module class and
+reason; ``patch(model, strict=True)`` raises a ``ValueError`` instead. Never a silently
+ignored mask.
 
 Without patching: importing this package registers the kernels' attention with
 transformers as ``attn_implementation="normbook"`` (:func:`register`: its
