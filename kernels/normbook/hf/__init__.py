@@ -13,8 +13,8 @@ modules, parameters or buffers, so weights and ``state_dict()`` are untouched) a
 - ``Qwen3Attention``: ``q_norm``, ``k_norm`` and ``apply_rotary_pos_emb`` →
   :func:`normbook.qk_norm_rope`;
 - attention (Qwen3, Llama, Gemma 3), prefill and the KV-cache steps of ``generate`` →
-  :func:`normbook.attention` (bottom-right causal, GQA, Gemma 3's sliding window; the
-  mask is checked to be exactly that pattern, else a ``ValueError``);
+  :func:`normbook.attention` (causal, GQA, sliding windows), or its varlen form for
+  padded batches and packed sequences (see Masks below);
 - ``Qwen3MLP``, ``LlamaMLP`` with SiLU: ``act_fn(gate_proj(x)) * up_proj(x)`` →
   :func:`normbook.swiglu`;
 - ``*ForCausalLM`` called with ``labels`` in training (``model.train()``): ``lm_head``
@@ -39,13 +39,35 @@ rounded to it); a patched model can be deep-copied, pickled and saved whole with
 Not patched, and why: Gemma 3's MLP (GELU-tanh, a GeGLU: no kernel here); a model whose
 config sets logit soft-capping (``final_logit_softcapping``: the loss,
 ``attn_logit_softcapping``: the attention; normbook.attention has no soft-cap) runs
-those parts on transformers' code; so does attention with dropout in training,
-bidirectional attention, or ``output_attentions``.
+those parts on transformers' code; so does attention with dropout in training or
+``output_attentions`` (silently: the results are the same), and attention under a mask
+the kernels do not compute (see Masks).
 
-Masks: normbook.attention takes no mask tensor, so the patched attention compares
-transformers' mask with the causal (and sliding-window) pattern once per forward and
-raises a ``ValueError`` for anything else (a padded batch, a static cache's empty slots,
-packed sequences): never a silently ignored mask.
+Masks: the kernels take no mask tensor; they compute the causal pattern from indices.
+So each mask transformers builds (once per forward: every layer receives the same
+tensor, read once) is read as one of: the plain causal pattern (bottom-right, or
+top-left where SDPA's ``is_causal`` would be), with the layer's sliding window;
+padding (left or right: ``attention_mask`` with zeros, in prefill, training and each
+KV-cache step of ``generate``) and packed sequences (``position_ids`` restarting at 0
+without an ``attention_mask``; transformers puts them in the mask only when no KV cache
+is used) → the rows that are not padding, gathered into sequences for varlen attention
+(bottom-right causal per sequence) and scattered back; a padded query position outputs
+zeros, as transformers' FlashAttention path does, where eager and SDPA output values
+that no other position reads. A layout is used only if the mask it implies equals
+transformers' mask exactly. Recognized forms: eager's float masks (0 keep, the dtype's
+minimum drop), SDPA's boolean masks and ``None``. Any other mask (bidirectional, an
+additive bias, a static cache's empty slots, a custom 4-D mask of another pattern) runs
+on transformers' own attention for that call, with one warning per module class and
+reason; ``patch(model, strict=True)`` raises a ``ValueError`` instead. Never a silently
+ignored mask.
+
+Without patching: importing this package registers the kernels' attention with
+transformers as ``attn_implementation="normbook"`` (:func:`register`: its
+``AttentionInterface`` and, for SDPA's masks, its ``AttentionMaskInterface``), so
+``AutoModelForCausalLM.from_config(cfg, attn_implementation="normbook")`` or
+``model.set_attn_implementation("normbook")`` runs the attention of any model that
+dispatches through ``AttentionInterface`` on the kernels, with the same mask reading;
+what they cannot compute runs on SDPA.
 
 Supported: Qwen3 (``Qwen3ForCausalLM``, ``Qwen3Model``), Llama (``LlamaForCausalLM``,
 ``LlamaModel``) and Gemma 3 text models (``Gemma3ForCausalLM``, ``Gemma3TextModel``), as
@@ -67,7 +89,13 @@ are patched as norms, not fused.
 from ._common import _set_forward as _set_forward
 from ._forwards import _decoder_layer_forward as _decoder_layer_forward
 from ._forwards import _gemma_rms_norm_forward as _gemma_rms_norm_forward
+from ._interface import register
 from ._patch import SUPPORTED_MODEL_TYPES, is_patched, patch, unpatch
 
-__all__ = ["patch", "unpatch", "is_patched", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["patch", "unpatch", "is_patched", "register", "SUPPORTED_MODEL_TYPES"]
+
+try:
+    register()
+except ImportError:  # no transformers, or one without AttentionInterface: patch() only
+    pass
 # (_set_forward and the two forwards: shown and called by the qwen3_block chapter)

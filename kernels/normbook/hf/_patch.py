@@ -64,7 +64,7 @@ def _check_model(model) -> str:
     return model_type
 
 
-def patch(model: nn.Module) -> nn.Module:
+def patch(model: nn.Module, *, strict: bool = False) -> nn.Module:
     """Make ``model`` run this package's kernels; returns the same model (patched in
     place).
 
@@ -77,6 +77,10 @@ def patch(model: nn.Module) -> nn.Module:
     :func:`normbook.linear_cross_entropy` (see the module's docstring for what is not
     patched). Parameters, buffers and the state dict are untouched; patching twice is
     the same as once; :func:`unpatch` restores the model.
+
+    Attention masks the kernels do not compute (see :mod:`normbook.hf`) run on
+    transformers' attention with a warning; with ``strict=True`` they raise a
+    ``ValueError`` instead, at the forward that meets them.
 
     Raises:
         TypeError: ``model`` is not a supported transformers model (see
@@ -102,6 +106,9 @@ def patch(model: nn.Module) -> nn.Module:
             _set_forward(module, _swiglu_mlp_forward)
         elif _is_transformers_class(module, _CAUSAL_LMS):
             _set_forward(module, _causal_lm_forward)
+    for module in model.modules():
+        if _ours(module):  # read by the attention (a plain attribute: no state)
+            module._normbook_strict = bool(strict)
     if not found:
         raise TypeError(
             f"{type(model).__name__} has no RMSNorm module that normbook.hf "
@@ -119,6 +126,7 @@ def unpatch(model: nn.Module) -> nn.Module:
     for module in model.modules():
         if _ours(module):
             del module.forward
+            module.__dict__.pop("_normbook_strict", None)
     return model
 
 
