@@ -30,7 +30,7 @@ from ._varlen import _varlen_attention
 ATTN_IMPLEMENTATION = "normbook"
 
 # Attention modules with per-head q_norm/k_norm (Qwen3 convention) followed by RoPE.
-_QK_NORM_ATTENTION = {"Qwen3Attention"}
+_QK_NORM_ATTENTION = {"Qwen3Attention", "Qwen3MoeAttention"}
 
 
 def _qk_fusable(self, hidden_states, cos, sin) -> bool:
