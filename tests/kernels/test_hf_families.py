@@ -19,12 +19,10 @@ tokens of a batch.
 """
 
 import copy
-import inspect
 
 import pytest
 import torch
 
-import normbook
 from normbook import DEVICE
 
 transformers = pytest.importorskip("transformers")
@@ -60,7 +58,6 @@ SMALL = dict(
 MOE = dict(num_experts_per_tok=2)
 # token ids within the vocabulary (the families' defaults are their real tokenizers')
 TOKENS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
-SOFTCAP = "softcap" in inspect.signature(normbook.attention).parameters
 # A mask the kernels do not compute runs transformers' attention with a warning: the
 # same logits, so here that warning is a failure (e.g. a family's window not passed on).
 pytestmark = pytest.mark.filterwarnings("error:normbook.hf:UserWarning")
@@ -293,13 +290,13 @@ EXPECTED = {
     # projection) per layer, the final norm; nothing fuses
     olmo2: (dict(LLAMA_FORM, rms_norm=4 * L + 1, fused_add_rms_norm=0), True),
     # sandwich norms (four a layer) and the final norm; GeGLU: no swiglu; soft-capped
-    # attention on the kernel once normbook.attention takes softcap
+    # attention on the kernel
     gemma2: (
         dict(
             rms_norm=4 * L + 1,
             fused_add_rms_norm=0,
             qk_norm_rope=0,
-            attention=L * SOFTCAP,
+            attention=L,
             swiglu=0,
         ),
         False,
@@ -329,7 +326,6 @@ def test_the_kernels_really_run(monkeypatch, build, grad):
     assert calls == {**counts, "_linear_cross_entropy": int(grad and fused_loss)}
 
 
-@pytest.mark.skipif(not SOFTCAP, reason="normbook.attention has no softcap= yet")
 def test_gemma2_softcapped_attention_runs_the_kernel(monkeypatch):
     calls = _count_kernels(monkeypatch)
     model = hf.patch(gemma2().to(DEVICE)).eval()

@@ -53,11 +53,9 @@ rounded to it); a patched model can be deep-copied, pickled and saved whole with
 ``torch.save`` (it loads patched).
 
 Not patched, and why: Gemma 2's and 3's MLPs (GELU-tanh, a GeGLU: no kernel here); a
-model whose config sets logit soft-capping runs those parts on transformers' code:
-``final_logit_softcapping`` (Gemma 2's default) the loss, ``attn_logit_softcapping``
-the attention until :func:`normbook.attention` takes ``softcap=`` (Gemma 2's patched
-attention checks its signature and then passes the cap on, for the plain causal
-masks); the MoE causal LMs' loss (their output, ``MoeCausalLMOutputWithPast``, carries
+model whose config sets ``final_logit_softcapping`` (Gemma 2's default) computes its
+loss on transformers' code (the attention's ``attn_logit_softcapping`` runs on the
+kernels' ``softcap``, dense and varlen); the MoE causal LMs' loss (their output, ``MoeCausalLMOutputWithPast``, carries
 the router's auxiliary loss: the fused loss is not written for it); a Phi3 layer in
 training with ``resid_pdrop > 0`` (its dropout sits between the branch and the add,
 so the layer is transformers', its norms, attention and MLP still patched); so does

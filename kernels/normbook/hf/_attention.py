@@ -14,6 +14,7 @@ import warnings
 
 from ..attention import DTYPES as ATTENTION_DTYPES
 from ..attention import MAX_HEAD_DIM, attention
+from ..attention_varlen import attention_varlen as _varlen_attention
 from ..qk_norm_rope import MAX_FUSED_BYTES, qk_norm_rope
 from ._common import (
     _autocast_dtype,
@@ -23,7 +24,6 @@ from ._common import (
     _pop_cache,
 )
 from ._masks import Dense, Unrecognized, mask_layout
-from ._varlen import _varlen_attention
 
 #: The name under which :func:`normbook.hf.register` adds the kernels' attention to
 #: transformers' ``AttentionInterface`` (``attn_implementation="normbook"``).
@@ -89,8 +89,9 @@ def _kernel_attention(
 ):
     """The kernels' attention on (batch, heads, seq, head_dim) q, k, v, as transformers'
     attention ``impl`` would compute it under ``attention_mask``: (batch, seq_q, heads,
-    head_dim). None where the kernels cannot compute what the module computes (its own
-    attention runs instead): dropout, logit soft-capping, attention weights or a
+    head_dim), with the module's logit soft-capping (Gemma 2) if it has one. None where
+    the kernels cannot compute what the module computes (its own attention runs
+    instead): dropout, attention weights or a
     position bias asked for, a dtype or head_dim the kernels lack (all silently), and a
     mask they do not compute (a warning, or strict's ``ValueError``). Under autocast,
     q, k and v are cast to autocast's dtype first, as SDPA's (and eager's products')
@@ -98,10 +99,10 @@ def _kernel_attention(
     cast = _autocast_dtype(q)
     if cast is not None:
         q, k, v = q.to(cast), k.to(cast), v.to(cast)
+    if softcap is None:
+        softcap = getattr(module, "attn_logit_softcapping", None)
     if (
         dropout
-        or softcap is not None
-        or getattr(module, "attn_logit_softcapping", None) is not None
         or kwargs.get("output_attentions")
         or kwargs.get("position_bias") is not None
         or q.dtype not in ATTENTION_DTYPES
@@ -122,7 +123,15 @@ def _kernel_attention(
         _mask_fallback(module, impl, layout.reason)
         return None
     if isinstance(layout, Dense):
-        out = attention(q, k, v, causal=layout.alignment, scale=scaling, window=window)
+        out = attention(
+            q,
+            k,
+            v,
+            causal=layout.alignment,
+            scale=scaling,
+            window=window,
+            softcap=softcap,
+        )
         return out.transpose(1, 2)
     # varlen: gather the rows that are not padding, attend per sequence, scatter back
     batch, heads, seq_q, head_dim = q.shape
@@ -141,6 +150,7 @@ def _kernel_attention(
         causal=True,
         scale=scaling,
         window=window,
+        softcap=softcap,
     )
     full = out.new_zeros(batch * seq_q, heads, head_dim)
     return full.index_copy(0, layout.q_index, out).view(batch, seq_q, heads, head_dim)

@@ -13,19 +13,15 @@ Qwen3/Llama forms of :mod:`._forwards` and :mod:`._attention`:
 
 from __future__ import annotations
 
-import inspect
 import sys
 
 import torch
 
-from ..attention import DTYPES as ATTENTION_DTYPES
-from ..attention import MAX_HEAD_DIM, attention
 from ..rms_norm import rms_norm
 from ..swiglu import swiglu
-from ._attention import _mask_kind, _run_attention
+from ._attention import _run_attention
 from ._common import _cache_update, _is_transformers_class, _norm_eps, _pop_cache
 from ._forwards import _decoder_layer_forward
-from ._masks import Dense, mask_layout
 
 # Attention modules that read their sliding window from ``config.sliding_window`` (no
 # ``sliding_window`` attribute; the mask has the window whenever the config sets it).
@@ -39,54 +35,6 @@ def _olmo_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     Gemma casting with offset 0; Llama would round x̂ before the product). transformers
     promotes the product to fp32 whatever the weight's dtype, and so does the kernel."""
     return rms_norm(hidden_states, self.weight, _norm_eps(self), casting_mode="gemma")
-
-
-# normbook.attention soft-caps the scores once it has this keyword (read at import:
-# the kernel is looked up by name at each call, which a test may wrap to count calls)
-_ATTENTION_TAKES_SOFTCAP = "softcap" in inspect.signature(attention).parameters
-
-
-def _softcapped_kernel_attention(
-    self, q, k, v, attention_mask, *, window, softcap, dropout, kwargs
-):
-    """Gemma 2's soft-capped scores, ``softcap · tanh(s / softcap)``, on
-    :func:`normbook.attention` where it takes ``softcap`` and the mask is the plain
-    causal (sliding-window) pattern; else None: ``_run_attention`` then runs
-    transformers' attention, soft-capped (or, once it passes ``softcap`` on, the
-    kernels for padded and packed masks too). The conditions are
-    ``_kernel_attention``'s."""
-    device_type = q.device.type
-    if torch.is_autocast_enabled(device_type):
-        # autocast runs eager's products on its dtype: so does the kernel
-        cast = torch.get_autocast_dtype(device_type)
-        q, k, v = q.to(cast), k.to(cast), v.to(cast)
-    is_causal = kwargs.get("is_causal")
-    if (
-        not _ATTENTION_TAKES_SOFTCAP
-        or dropout
-        or not (getattr(self, "is_causal", True) if is_causal is None else is_causal)
-        or kwargs.get("output_attentions")
-        or kwargs.get("position_bias") is not None
-        or q.dtype not in ATTENTION_DTYPES
-        or not k.dtype == v.dtype == q.dtype
-        or q.shape[-1] > MAX_HEAD_DIM
-    ):
-        return None
-    (batch, _, seq_q, _), seq_k = q.shape, k.shape[2]
-    kind = _mask_kind(self.config._attn_implementation)
-    layout = mask_layout(attention_mask, kind, batch, seq_q, seq_k, window)
-    if not isinstance(layout, Dense):
-        return None
-    out = attention(
-        q,
-        k,
-        v,
-        causal=layout.alignment,
-        scale=self.scaling,
-        window=window,
-        softcap=softcap,
-    )
-    return out.transpose(1, 2)
 
 
 def _family_attention_forward(
@@ -124,32 +72,18 @@ def _family_attention_forward(
         window = getattr(self, "sliding_window", None)
     softcap = getattr(self, "attn_logit_softcapping", None)
     dropout = self.attention_dropout if self.training else 0.0
-    out, weights = None, None
-    if softcap is not None:
-        out = _softcapped_kernel_attention(
-            self,
-            q,
-            k,
-            v,
-            attention_mask,
-            window=window,
-            softcap=softcap,
-            dropout=dropout,
-            kwargs=kwargs,
-        )
-    if out is None:
-        out, weights = _run_attention(
-            self,
-            q,
-            k,
-            v,
-            attention_mask,
-            scaling=self.scaling,
-            sliding_window=window,
-            dropout=dropout,
-            softcap=softcap,
-            **kwargs,
-        )
+    out, weights = _run_attention(
+        self,
+        q,
+        k,
+        v,
+        attention_mask,
+        scaling=self.scaling,
+        sliding_window=window,
+        dropout=dropout,
+        softcap=softcap,
+        **kwargs,
+    )
     out = out.reshape(*input_shape, -1).contiguous()
     return self.o_proj(out), weights
 
