@@ -434,9 +434,8 @@ def _op_backward(
 @_op_backward.register_fake
 def _(dy, x, weight, rstd, offset, need_dw):
     need_dw = need_dw and weight is not None
-    return _library.fresh(x), _library.fresh(
-        weight
-    ) if need_dw else _library.not_computed(x)
+    dw = _library.fresh(weight) if need_dw else _library.not_computed(x)
+    return _library.fresh(x), dw
 
 
 def _setup_context(ctx, inputs, output):
