@@ -459,13 +459,13 @@ _op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 def rms_norm(
-    x: torch.torch.Tensor,
-    weight: torch.torch.Tensor | None = None,
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     *,
     offset: float = 0.0,
     casting_mode: str = "llama",
-) -> torch.torch.Tensor:
+) -> torch.Tensor:
     r"""RMSNorm over the last dimension of ``x``: ``y = x / sqrt(mean(x**2) + eps) *
     (offset + weight)``.
 

@@ -208,7 +208,7 @@ def _autograd_backward(ctx, dy):
 _op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
-def swiglu(gate: torch.torch.Tensor, up: torch.torch.Tensor) -> torch.torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     r"""``silu(gate) · up``, the gate of a SwiGLU MLP, in one pass (fp32 inside, one
     rounding).
 
@@ -218,8 +218,7 @@ def swiglu(gate: torch.torch.Tensor, up: torch.torch.Tensor) -> torch.torch.Tens
             rows may be strided (the last dimension contiguous, else copied once).
 
     Returns a tensor of that shape and dtype. Differentiable in ``gate`` and ``up``
-    (one-pass Triton backward, the operator
-    ``normbook::swiglu_backward``).
+    (one-pass Triton backward, the operator ``normbook::swiglu_backward``).
 
     Raises:
         TypeError / ValueError naming the bad argument, before any kernel is launched.
