@@ -4,6 +4,13 @@ r"""Attention of a few new tokens over a KV cache, split over the keys (flash-de
           \cdot k_{b,j}\bigr)\, v_{b,j}, \qquad j \le n_b - S_q + i
           \quad (\text{and } j > n_b - S_q + i - W)
 
+With a soft cap ``c`` (Gemma 2), each score s = scale·q·k becomes c·tanh(s/c), in
+(-c, c), before the mask and the softmax. tanh is built from exp2 and a polynomial
+(:func:`._triton_utils.tanh`, about 6u relative, u = 2^-24); with the rounding of s/c
+and of the product by c·log2(e), the capped score moves by about 8u relative to itself
+(at most |s|), beside the dot product's own (D + 4)·u·scale·Σ|q k|, which the cap only
+shrinks (tanh's slope is at most 1).
+
 Row ``b`` of the batch is a request whose cache holds ``n_b = cache_seqlens[b]`` keys
 and values; its ``S_q`` newest tokens (``q[b]``, usually ``S_q = 1``; more when
 verifying speculative tokens) are the last ``S_q`` of them, causal among themselves
@@ -41,7 +48,7 @@ import triton.language as tl
 from . import _validate
 from ._config import LAUNCH, LOG2E, _capability, tile_config
 from ._runtime import INTERPRET, device_guard
-from ._triton_utils import round_to
+from ._triton_utils import round_to, tanh
 from .attention import DTYPES, MAX_HEAD_DIM
 
 # Keys per chunk: one program's share of a row. A constant, so that where a row is cut
@@ -95,10 +102,12 @@ def _decode_split(
     R,
     n_chunks,
     qk_scale,
-    window,  # scale·log2(e); keys each query sees
+    window,  # scale·log2(e), or scale/c with a cap; keys each query sees
+    softcap,  # c·log2(e); None (a constant) without a cap
     PAGED: tl.constexpr,
     PAGE: tl.constexpr,
     WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -159,6 +168,9 @@ def _decode_split(
         if UPCAST:
             kt = kt.to(tl.float32)
         s = tl.dot(q, kt, input_precision="ieee", out_dtype=tl.float32) * qk_scale
+        if SOFTCAP:
+            # c·tanh(scale·q·k / c), in base 2: masked keys are set to -inf after it
+            s = softcap * tanh(s)
         keep = col_ok[None, :] & row_ok[:, None] & (cols[None, :] <= pos[:, None])
         if WINDOW:
             keep = keep & (cols[None, :] > pos[:, None] - window)
@@ -276,8 +288,40 @@ def _check_tensor(t, name):
     _validate.check_device(t, name)
 
 
-def _check(q, k_cache, v_cache, cache_seqlens, block_table, scale, window):
-    """Every structural check, before any launch. Returns (scale, window, capacity)."""
+def _check_softcap(softcap, scale):
+    """The cap c as a float, or None for none (None or 0)."""
+    if isinstance(softcap, bool) or not (
+        softcap is None or isinstance(softcap, numbers.Real)
+    ):
+        raise TypeError(
+            f"softcap must be a real number or None, got {type(softcap).__name__}"
+        )
+    if softcap is None or softcap == 0:
+        return None
+    softcap = float(softcap)
+    if not 0.0 < softcap < float("inf"):
+        raise ValueError(
+            f"softcap must be a finite number > 0 (None or 0: no cap), got {softcap}"
+        )
+    # The kernel multiplies by scale/c and c·log2(e), which must be normal fp32
+    # numbers: c in about [1e-38, 1e36] at scale 1/√128, where models use tens.
+    fp32 = torch.finfo(torch.float32)
+    if not all(
+        fp32.tiny <= x <= fp32.max
+        for x in (softcap * LOG2E, abs(scale) / softcap or 1.0)
+    ):
+        raise ValueError(
+            f"softcap = {softcap} with scale = {scale} leaves fp32's range: "
+            "scale/softcap and softcap·log2(e) must be normal fp32 numbers"
+        )
+    return softcap
+
+
+def _check(
+    q, k_cache, v_cache, cache_seqlens, block_table, scale, window, softcap=None
+):
+    """Every structural check, before any launch. Returns (scale, window, capacity,
+    softcap), softcap None when off."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tensor(t, name)
         if t.dtype not in DTYPES:
@@ -365,13 +409,14 @@ def _check(q, k_cache, v_cache, cache_seqlens, block_table, scale, window):
                 f"window must be >= 1 (keys each query sees), got {window}"
             )
         window = int(window)
+    softcap = _check_softcap(softcap, scale)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
         raise NotImplementedError(
             "normbook.decode_attention has no backward: q, "
             "k_cache or v_cache requires grad (decoding needs "
             "none; detach them)"
         )
-    return scale, window, capacity
+    return scale, window, capacity, softcap
 
 
 def _check_values(cache_seqlens, block_table, capacity, num_blocks):
@@ -413,6 +458,7 @@ def _forward(
     scale,
     window,
     capacity,
+    softcap=None,
     chunk=KV_CHUNK,
 ):
     """Launch on checked inputs. ``chunk`` is for tests (more chunks at interpreter
@@ -457,11 +503,14 @@ def _forward(
             D,
             R,
             n_chunks,
-            scale * LOG2E,
+            scale * LOG2E if softcap is None else scale / softcap,
             window or 0,
+            # None binds as a constant: the uncapped kernel has the parameters it had
+            None if softcap is None else softcap * LOG2E,
             PAGED=paged,
             PAGE=k_cache.shape[2] if paged else 1,
             WINDOW=window is not None,
+            SOFTCAP=softcap is not None,
             UPCAST=INTERPRET,
             CHUNK=chunk,
             BLOCK_M=BLOCK_M,
@@ -495,7 +544,15 @@ def _forward(
 
 
 def decode_attention(
-    q, k_cache, v_cache, cache_seqlens, *, block_table=None, scale=None, window=None
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    *,
+    block_table=None,
+    scale=None,
+    window=None,
+    softcap=None,
 ):
     r"""Attention of each row's ``S_q`` newest tokens over its KV cache (split-KV).
 
@@ -520,6 +577,9 @@ def decode_attention(
         scale: multiplies the scores; default ``1/sqrt(D)``.
         window: each query sees at most ``window`` keys, itself and the ``window - 1``
             before (Mistral's sliding window, as ``normbook.attention``).
+        softcap: ``None`` or 0 (no cap), or a finite ``c > 0``: each scaled score
+            ``s`` becomes ``c·tanh(s/c)`` before the mask and the softmax (Gemma 2's
+            attention soft-capping, FlashAttention's ``softcap``).
 
     Returns ``(B, H, S_q, D)`` in q's dtype. Scores and softmax state in fp32,
     probabilities rounded to the cache's dtype before multiplying V (as FlashAttention).
@@ -532,8 +592,8 @@ def decode_attention(
         block-table entry a row uses in ``[0, num_blocks)``) cost one host
         synchronization. NotImplementedError if an input requires grad.
     """
-    scale, window, capacity = _check(
-        q, k_cache, v_cache, cache_seqlens, block_table, scale, window
+    scale, window, capacity, softcap = _check(
+        q, k_cache, v_cache, cache_seqlens, block_table, scale, window, softcap
     )
     return torch.ops.normbook.decode_attention(
         q, k_cache, v_cache, cache_seqlens, block_table, scale, window, capacity
@@ -562,7 +622,15 @@ def _op(
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _check_values(cache_seqlens, block_table, capacity, k_cache.shape[0])
     return _forward(
-        q, k_cache, v_cache, cache_seqlens, block_table, scale, window, capacity
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        block_table,
+        scale,
+        window,
+        capacity,
+        softcap,
     )
 
 

@@ -367,19 +367,23 @@ def attention_mask(seq_q, seq_k, causal=False, window=None, device=None):
     return keep
 
 
-def attention(q, k, v, causal=False, scale=None, window=None):
+def attention(q, k, v, causal=False, scale=None, window=None, softcap=None):
     r"""O = softmax(scale · Q Kᵀ + mask) V in float64, for (batch, heads, seq, head_dim)
     inputs.
 
     k and v may have fewer heads (grouped-query attention: q head h uses k/v head h //
     (heads / kv_heads)). The mask adds −∞ where a key is hidden; a row that sees no key
-    (every score −∞) is defined as 0, the empty sum, instead of softmax's 0/0 = NaN."""
+    (every score −∞) is defined as 0, the empty sum, instead of softmax's 0/0 = NaN.
+    A soft cap c (None or 0: none) replaces each score s by c · tanh(s / c) before the
+    mask (Gemma 2)."""
     q, k, v = _d(q), _d(k), _d(v)
     group = q.shape[-3] // k.shape[-3]
     k = k.repeat_interleave(group, dim=-3)
     v = v.repeat_interleave(group, dim=-3)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     s = scale * (q @ k.transpose(-1, -2))
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     keep = attention_mask(q.shape[-2], k.shape[-2], causal, window, device=s.device)
     s = s.masked_fill(~keep, float("-inf"))
     m = s.amax(dim=-1, keepdim=True)
@@ -533,13 +537,20 @@ def cached_keys(cache, b, n, block_table=None):
 
 
 def decode_attention(
-    q, k_cache, v_cache, cache_seqlens, block_table=None, scale=None, window=None
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    block_table=None,
+    scale=None,
+    window=None,
+    softcap=None,
 ):
     r"""O[b] = softmax(scale · q[b] K_bᵀ + mask) V_b per row, in float64, where K_b, V_b
     are row b's n_b = cache_seqlens[b] cached keys and values and the S_q queries are
     its last S_q tokens: query i sees keys j ≤ n_b − S_q + i (bottom-right causal; with
     a window also j > n_b − S_q + i − W). A query that sees no key gives 0, as
-    :func:`attention`."""
+    :func:`attention`; a soft cap c makes each score c · tanh(s / c) first."""
     q = _d(q).cpu()
     out = torch.zeros_like(q)
     for b, n in enumerate(torch.as_tensor(cache_seqlens).tolist()):
@@ -547,9 +558,15 @@ def decode_attention(
             continue  # no key at all: 0
         k = cached_keys(k_cache.cpu(), b, n, block_table)[None]
         v = cached_keys(v_cache.cpu(), b, n, block_table)[None]
-        out[b] = attention(q[b : b + 1], k, v, causal=True, scale=scale, window=window)[
-            0
-        ]
+        out[b] = attention(
+            q[b : b + 1],
+            k,
+            v,
+            causal=True,
+            scale=scale,
+            window=window,
+            softcap=softcap,
+        )[0]
     return out
 
 

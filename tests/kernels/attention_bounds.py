@@ -9,7 +9,9 @@ from normbook import reference as ref
 U32 = 2.0**-24
 
 
-def error_bound(q, k, v, out_dtype, causal=False, window=None, scale=None):
+def error_bound(
+    q, k, v, out_dtype, causal=False, window=None, scale=None, softcap=None
+):
     """Elementwise bound on |kernel − exact| (float64, CPU), from the kernel's roundings.
 
     * P is rounded to the input dtype before P·V: each p_j moves by u relatively, so the output
@@ -19,6 +21,9 @@ def error_bound(q, k, v, out_dtype, causal=False, window=None, scale=None):
       of p_j of δ_j, and the normalization by ℓ adds another δ: 2·max_j δ_j · Σ p|v|.
     * P·V and the rescaling are summed in fp32 over seq_k keys: (seq_k + 64)·2⁻²⁴ · Σ p|v|.
     * The output is rounded once to its dtype (u·|o|; fp16 subnormals: 2⁻²⁵ absolute).
+    * A soft cap c·tanh(s/c) (tanh's slope is at most 1, so it only shrinks the dot
+      product's error) adds its own: tanh from exp2 within about 6·2⁻²⁴ relative, and
+      the roundings of s/c and of the product by c: 12·2⁻²⁴ relative to |s| more in δ.
     A missing rescale, a mask off by one key or a wrong k/v head moves outputs by about
     1/seq_k · |v| or more: above this bound at the sizes tested in fp32.
     """
@@ -30,13 +35,11 @@ def error_bound(q, k, v, out_dtype, causal=False, window=None, scale=None):
     qk = abs(scale) * (qd.abs() @ kd.abs().transpose(-1, -2))
     keep = ref.attention_mask(q.shape[2], k.shape[2], causal, window)
     qk = qk.masked_fill(~keep, 0.0)
-    delta = (q.shape[-1] + 4) * U32 * qk.amax(dim=-1, keepdim=True)
-    o = ref.attention(
-        q.cpu(), k.cpu(), v.cpu(), causal=causal, scale=scale, window=window
-    )
-    pv = ref.attention(
-        q.cpu(), k.cpu(), v.abs().cpu(), causal=causal, scale=scale, window=window
-    )
+    roundings = q.shape[-1] + 4 + (12 if softcap else 0)
+    delta = roundings * U32 * qk.amax(dim=-1, keepdim=True)
+    kw = dict(causal=causal, scale=scale, window=window, softcap=softcap)
+    o = ref.attention(q.cpu(), k.cpu(), v.cpu(), **kw)
+    pv = ref.attention(q.cpu(), k.cpu(), v.abs().cpu(), **kw)
     u_p = 0.0 if out_dtype == torch.float32 else u
     acc = (k.shape[2] + 64) * U32
     atol = 2.0**-25 if out_dtype == torch.float16 else 0.0

@@ -16,6 +16,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from attention_bounds import error_bound
 from conftest import (
     LOW_PRECISION,
@@ -27,6 +29,7 @@ from conftest import (
 
 from normbook import DEVICE, decode_attention
 from normbook import reference as ref
+from normbook._triton_utils import tanh
 from normbook.decode_attention import KV_CHUNK, _check, _forward
 
 NAN = float("nan")
@@ -68,7 +71,7 @@ def lens(values, dtype=torch.int32):
     return torch.tensor(values, dtype=dtype, device=DEVICE)
 
 
-def assert_within_bound(out, q, k, v, lengths, window=None, scale=None):
+def assert_within_bound(out, q, k, v, lengths, window=None, scale=None, softcap=None):
     """Per row, attention_bounds.error_bound for bottom-right causal attention over the row's keys,
     plus the merge: each chunk merge rescales (m, ℓ, acc) by two exp2 and adds, about 4
     fp32 roundings per chunk, relative to Σ p|v|. A mask off by one key or a chunk
@@ -90,9 +93,16 @@ def assert_within_bound(out, q, k, v, lengths, window=None, scale=None):
             causal=True,
             window=window,
             scale=scale,
+            softcap=softcap,
         )
         pv = ref.attention(
-            on_cpu(q[b : b + 1]), kb, vb.abs(), causal=True, scale=scale, window=window
+            on_cpu(q[b : b + 1]),
+            kb,
+            vb.abs(),
+            causal=True,
+            scale=scale,
+            window=window,
+            softcap=softcap,
         )
         bound = bound + (4 * (math.ceil(n / KV_CHUNK) + 1)) * 2.0**-24 * pv
         err = (out64[b : b + 1] - o).abs()
@@ -288,6 +298,104 @@ def test_hand_calculation():
     assert abs(out.item() - 7.0) < 1e-6
 
 
+# ---------------------------------------------------------------- soft-capping
+
+
+@pytest.mark.parametrize("softcap", [2.0, 20.0])
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_softcap_matches_reference(dtype, softcap, poison_empty):
+    """Scores c·tanh(s/c) (Gemma 2), contiguous and paged: within the bound of the float64
+    reference (error_bound's δ grows by the cap's roundings, ~12u of |s|), paged equal to
+    contiguous bit for bit. Scores of standard deviation ~16: c = 2 flattens most of them,
+    c = 20 the largest; either moves the output by far more than the bound."""
+    lengths = [7, 130, 300, 0]
+    H, H_kv, Sq, D = 6, 3, 2, 32
+    q = randn(len(lengths), H, Sq, D, dtype=dtype, scale=4.0)
+    k, v = contiguous_cache(lengths, H_kv, 301, D, dtype, scale=4.0)
+    out = decode_attention(q, k, v, lens(lengths), softcap=softcap)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert_within_bound(out, q, k, v, lengths, softcap=softcap)
+    capped = ref.decode_attention(q, k, v, lens(lengths), softcap=softcap)
+    uncapped = ref.decode_attention(q, k, v, lens(lengths))
+    assert (capped - uncapped).abs().amax() > 0.1  # the cap matters here
+    kp, vp, table = paged_from(k, v, lengths, 16)
+    paged = decode_attention(
+        q, kp, vp, lens(lengths), block_table=table, softcap=softcap
+    )
+    assert torch.equal(paged, out)
+
+
+@pytest.mark.parametrize("Sq", [1, 3])
+def test_softcap_with_window(Sq, poison_empty):
+    """Window and cap together, GQA: the bound holds; keys before every window are NaN and
+    never read; paged (pages of 16) equals contiguous."""
+    lengths = [3, 140, 333]
+    window, softcap = 50, 5.0
+    q = randn(3, 4, Sq, 16, scale=3.0)
+    k, v = contiguous_cache(lengths, 2, 340, 16, scale=3.0)
+    for b, n in enumerate(lengths):
+        first = max(n - Sq - window + 1, 0)
+        k[b, :, :first] = NAN
+        v[b, :, :first] = NAN
+    out = decode_attention(q, k, v, lens(lengths), window=window, softcap=softcap)
+    kw = dict(window=window, softcap=softcap)
+    for b, n in enumerate(lengths):
+        first = max(n - Sq - window + 1, 0)
+        # the bound's reference over the keys the row sees, at their positions
+        kb, vb = k[b : b + 1, :, first:n], v[b : b + 1, :, first:n]
+        assert_within_bound(out[b : b + 1], q[b : b + 1], kb, vb, [n - first], **kw)
+    kp, vp, table = paged_from(k, v, lengths, 16)
+    paged = decode_attention(q, kp, vp, lens(lengths), block_table=table, **kw)
+    assert torch.equal(paged, out)
+
+
+def test_softcap_zero_is_off_and_a_huge_cap_is_no_cap():
+    """0 launches the uncapped kernel (same bits as None). A cap far above every score
+    leaves the scores as they are (c·tanh(s/c) = s to within fp32 rounding: the tanh
+    has a small relative error near 0, not only an absolute one), so the uncapped
+    bound holds."""
+    lengths = [40, 200]
+    q = randn(2, 4, 2, 32, scale=2.0)
+    k, v = contiguous_cache(lengths, 2, 200, 32, scale=2.0)
+    off = decode_attention(q, k, v, lens(lengths))
+    assert torch.equal(decode_attention(q, k, v, lens(lengths), softcap=0), off)
+    huge = decode_attention(q, k, v, lens(lengths), softcap=1e30)
+    assert_within_bound(huge, q, k, v, lengths)
+
+
+@triton.jit
+def _tanh_kernel(X, Y, N, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(Y + i, tanh(tl.load(X + i, mask=i < N)), mask=i < N)
+
+
+def test_tanh_is_within_6_ulp():
+    """The cap's tanh (exp2 above 0.625, a polynomial below) against float64's, relative:
+    within the 6u its docstring argues (the interpreter measures under 3u), from 1e-30,
+    where the polynomial gives x, through the switch at 0.625 to 20, where it is 1; odd;
+    ±1 at ±inf; NaN kept. A 1 - 2/(exp(2x) + 1) alone is off by ~u/x near 0."""
+    pos = torch.cat([torch.logspace(-30, 0, 3000), torch.linspace(0.5, 20, 4000)])
+    x = torch.cat([pos, -pos, torch.tensor([math.inf, -math.inf, NAN])]).to(DEVICE)
+    y = torch.empty_like(x)
+    _tanh_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+    x, y = on_cpu(x, y)
+    exact = torch.tanh(x.double())
+    rel = ((y.double() - exact).abs() / exact.abs())[: 2 * len(pos)]
+    assert rel.max() <= 6 * UNIT_ROUNDOFF[torch.float32], rel.max()
+    assert torch.equal(y[: len(pos)], -y[len(pos) : 2 * len(pos)])
+    assert y[-3:-1].tolist() == [1.0, -1.0] and math.isnan(y[-1])
+
+
+def test_softcap_hand_calculation():
+    """Scores (0, atanh(1/2)) capped at c = 1: (0, 1/2); output (4 + 8√e)/(1 + √e)."""
+    q = torch.tensor([[[[1.0]]]], device=DEVICE)
+    k = torch.tensor([[[[0.0], [math.atanh(0.5)], [NAN]]]], device=DEVICE)
+    v = torch.tensor([[[[4.0], [8.0], [NAN]]]], device=DEVICE)
+    out = decode_attention(q, k, v, lens([2]), scale=1.0, softcap=1.0)
+    e = math.exp(0.5)
+    assert abs(out.item() - (4 + 8 * e) / (1 + e)) < 1e-6
+
+
 def _good():
     q = randn(2, 4, 1, 16)
     k, v = randn(2, 2, 8, 16), randn(2, 2, 8, 16)
@@ -370,6 +478,48 @@ BAD = [
         {"window": 2.0},
         TypeError,
         "window must be an int",
+    ),
+    (
+        lambda q, k, v, n: (q, k, v, n),
+        {"softcap": "30"},
+        TypeError,
+        "softcap must be a real",
+    ),
+    (
+        lambda q, k, v, n: (q, k, v, n),
+        {"softcap": True},
+        TypeError,
+        "softcap must be a real number or None, got bool",
+    ),
+    (
+        lambda q, k, v, n: (q, k, v, n),
+        {"softcap": torch.tensor(30.0)},
+        TypeError,
+        "softcap must be a real number or None, got Tensor",
+    ),
+    (
+        lambda q, k, v, n: (q, k, v, n),
+        {"softcap": -30.0},
+        ValueError,
+        "softcap must be a finite number > 0",
+    ),
+    (
+        lambda q, k, v, n: (q, k, v, n),
+        {"softcap": math.inf},
+        ValueError,
+        "softcap must be a finite number > 0 (None or 0: no cap), got inf",
+    ),
+    (
+        lambda q, k, v, n: (q, k, v, n),
+        {"softcap": math.nan},
+        ValueError,
+        "softcap must be a finite number > 0 (None or 0: no cap), got nan",
+    ),
+    (
+        lambda q, k, v, n: (q, k, v, n),
+        {"softcap": 1e-40},
+        ValueError,
+        "softcap = 1e-40 with scale = 0.25 leaves fp32's range",
     ),
     (
         lambda q, k, v, n: (q, k, v, n),

@@ -46,7 +46,7 @@ def _caller() -> str:
             ours = (
                 "/normbook/" in name
                 and "/normbook/lab/" not in name
-                and not name.endswith("hf.py")
+                and "/normbook/hf/" not in name
             )
             return "kernels" if ours else "model"
         frame = frame.f_back

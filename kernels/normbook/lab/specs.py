@@ -539,6 +539,8 @@ SPECS = (
                 _NO_FP64,
                 lambda M, N, make: _decode_attention_inputs(M, N, make, True),
             ),
+            # Gemma 2's attention cap: the tanh the uncapped kernel compiles without
+            Variant("softcap", {"softcap": 50.0}, _NO_FP64),
         ),
         inspect_s=14,
     ),
