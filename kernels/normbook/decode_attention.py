@@ -596,7 +596,15 @@ def decode_attention(
         q, k_cache, v_cache, cache_seqlens, block_table, scale, window, softcap
     )
     return torch.ops.normbook.decode_attention(
-        q, k_cache, v_cache, cache_seqlens, block_table, scale, window, capacity
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        block_table,
+        scale,
+        window,
+        capacity,
+        softcap,
     )
 
 
@@ -613,6 +621,7 @@ def _op(
     scale: float,
     window: int | None,
     capacity: int,
+    softcap: float | None,
 ) -> torch.Tensor:
     """``torch.ops.normbook.decode_attention``: checked arguments (``_check``'s). The
     lengths and block-table entries are checked here, before the launch: they are
@@ -635,5 +644,7 @@ def _op(
 
 
 @_op.register_fake
-def _(q, k_cache, v_cache, cache_seqlens, block_table, scale, window, capacity):
+def _(
+    q, k_cache, v_cache, cache_seqlens, block_table, scale, window, capacity, softcap
+):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
