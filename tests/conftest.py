@@ -189,3 +189,15 @@ def assert_rejected_before_launch(
     with pytest.raises(exc) as info:
         call()
     assert words in str(info.value)
+
+
+def nothing_saved():
+    """A context in which saving a tensor for a backward pass fails: a call that wants no
+    gradient must keep nothing alive (autograd's pack hook sees every saved tensor)."""
+
+    def refuse(t):
+        raise AssertionError(
+            "a tensor was saved for backward although no gradient is needed"
+        )
+
+    return torch.autograd.graph.saved_tensors_hooks(refuse, lambda t: t)

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _validate
+from . import _library, _validate
 from ._config import (
     LAUNCH,
     LOOP_BLOCK_N,
@@ -225,31 +225,78 @@ def _reduce(
     return (total / count.to(total.dtype)).to(dtype)
 
 
-class CrossEntropyFunction(torch.autograd.Function):
-    """``cross_entropy`` with its Triton backward; saves the logits (already in memory),
-    the targets and one log-sum-exp per row."""
-
-    @staticmethod
-    def forward(ctx, x2d, target, ignore_index, reduction, out_shape):
-        loss, lse = _forward(x2d, target, ignore_index)
-        count = (target != ignore_index).sum()
-        ctx.save_for_backward(x2d, target, lse, count)
-        ctx.ignore_index, ctx.reduction = ignore_index, reduction
-        return _reduce(loss, count, reduction, x2d.dtype).reshape(out_shape)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dloss):
-        x2d, target, lse, count = ctx.saved_tensors
-        g = dloss.reshape(-1).to(lse.dtype)
-        if ctx.reduction == "mean":
-            # inf when every row is ignored: then no row uses it
-            g = g / count.to(lse.dtype)
-        dx = _backward(x2d, target, lse, g.contiguous(), ctx.ignore_index)
-        return dx, None, None, None, None
+# ---------------------------------------------------------------- the operators
 
 
-def _check_target(target, logits: torch.Tensor, ignore_index: int) -> None:
+@torch.library.custom_op("normbook::cross_entropy", mutates_args=())
+def _op(
+    logits: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch.ops.normbook.cross_entropy``: (loss, lse, count), one log-sum-exp per row
+    and the number of rows not ignored (what the backward reads). The targets' range is
+    checked here, before the launch: it reads their values."""
+    check_target_range(target, logits.shape[-1], ignore_index)
+    x2d = _validate.as_rows(logits)  # after every check: a bad call copies nothing
+    t = target.reshape(-1).contiguous()  # the kernels read target[row] at T + row
+    loss, lse = _forward(x2d, t, ignore_index)
+    count = (t != ignore_index).sum()
+    out_shape = target.shape if reduction == "none" else ()
+    return _reduce(loss, count, reduction, logits.dtype).reshape(out_shape), lse, count
+
+
+@_op.register_fake
+def _(logits, target, ignore_index, reduction):
+    loss = logits.new_empty(target.shape if reduction == "none" else ())
+    lse = logits.new_empty(
+        _library.rows(logits), dtype=accumulation_dtype(logits.dtype)
+    )
+    return loss, lse, target.new_empty((), dtype=torch.int64)
+
+
+@torch.library.custom_op("normbook::cross_entropy_backward", mutates_args=())
+def _op_backward(
+    dloss: torch.Tensor,
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    count: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+) -> torch.Tensor:
+    """``torch.ops.normbook.cross_entropy_backward``: the logits' gradient."""
+    g = dloss.reshape(-1).to(lse.dtype)
+    if reduction == "mean":
+        # inf when every row is ignored: then no row uses it
+        g = g / count.to(lse.dtype)
+    x2d, t = _validate.as_rows(logits), target.reshape(-1).contiguous()
+    return _backward(x2d, t, lse, g.contiguous(), ignore_index).view(logits.shape)
+
+
+@_op_backward.register_fake
+def _(dloss, logits, target, lse, count, ignore_index, reduction):
+    return _library.fresh(logits)
+
+
+def _setup_context(ctx, inputs, output):
+    # the logits (already in memory), the targets and one log-sum-exp per row
+    logits, target, ctx.ignore_index, ctx.reduction = inputs
+    _, lse, count = output
+    ctx.mark_non_differentiable(lse, count)
+    ctx.save_for_backward(logits, target, lse, count)
+
+
+def _autograd_backward(ctx, dloss, _dlse, _dcount):
+    logits, target, lse, count = ctx.saved_tensors
+    dx = torch.ops.normbook.cross_entropy_backward(
+        dloss, logits, target, lse, count, ctx.ignore_index, ctx.reduction
+    )
+    return dx, None, None, None
+
+
+_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+def _check_target(target, logits: torch.Tensor) -> None:
     if not isinstance(target, torch.Tensor):
         raise TypeError(
             f"target must be a torch.Tensor of class indices, got "
@@ -274,12 +321,12 @@ def _check_target(target, logits: torch.Tensor, ignore_index: int) -> None:
             f"{logits.device}; "
             "put them on one device"
         )
-    check_target_range(target, logits.shape[-1], ignore_index)
 
 
 def check_target_range(target: torch.Tensor, V: int, ignore_index: int) -> None:
     """Every target is a class in [0, V) or ``ignore_index``. One host sync, so that a
-    bad index is an error and never an out-of-bounds read (linear_cross_entropy too)."""
+    bad index is an error and never an out-of-bounds read (linear_cross_entropy too).
+    It reads the targets' values: the operators run it, never on fake tensors."""
     bad = ((target < 0) | (target >= V)) & (target != ignore_index)
     if target.numel() and bool(bad.any()):
         first = target[bad].reshape(-1)[0].item()
@@ -317,8 +364,8 @@ def cross_entropy(
     Returns the loss in ``logits``' dtype. As ``F.cross_entropy``: ``"mean"`` is NaN
     (0/0) when every row is ignored, or when there are no rows; ``"sum"`` is then 0.
 
-    Differentiable with respect to ``logits`` (Triton backward, see
-    :class:`CrossEntropyFunction`).
+    Differentiable with respect to ``logits`` (Triton backward, the operator
+    ``normbook::cross_entropy_backward``).
 
     Raises:
         TypeError / ValueError naming the bad argument, before any kernel is launched.
@@ -342,13 +389,8 @@ def cross_entropy(
     ignore_index = int(ignore_index)
     if not isinstance(reduction, str) or reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    _check_target(target, logits, ignore_index)
-    x2d = _validate.as_rows(logits)  # after every check: a bad call copies nothing
-    t = target.reshape(-1).contiguous()  # the kernels read target[row] at T + row
-    out_shape = target.shape if reduction == "none" else ()
-    if torch.is_grad_enabled() and logits.requires_grad:
-        return CrossEntropyFunction.apply(x2d, t, ignore_index, reduction, out_shape)
-    # No gradient wanted: launch the forward directly and save nothing.
-    loss, _ = _forward(x2d, t, ignore_index)
-    count = (t != ignore_index).sum()
-    return _reduce(loss, count, reduction, logits.dtype).reshape(out_shape)
+    _check_target(target, logits)
+    loss, _, _ = torch.ops.normbook.cross_entropy(
+        logits, target, ignore_index, reduction
+    )
+    return loss

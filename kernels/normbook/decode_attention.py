@@ -595,6 +595,38 @@ def decode_attention(
     scale, window, capacity, softcap = _check(
         q, k_cache, v_cache, cache_seqlens, block_table, scale, window, softcap
     )
+    return torch.ops.normbook.decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        block_table,
+        scale,
+        window,
+        capacity,
+        softcap,
+    )
+
+
+# ---------------------------------------------------------------- the operator
+
+
+@torch.library.custom_op("normbook::decode_attention", mutates_args=())
+def _op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    scale: float,
+    window: int | None,
+    capacity: int,
+    softcap: float | None,
+) -> torch.Tensor:
+    """``torch.ops.normbook.decode_attention``: checked arguments (``_check``'s). The
+    lengths and block-table entries are checked here, before the launch: they are
+    values (one host read). No autograd: the public function refuses inputs that
+    require grad."""
     if q.numel() == 0:
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _check_values(cache_seqlens, block_table, capacity, k_cache.shape[0])
@@ -609,3 +641,10 @@ def decode_attention(
         capacity,
         softcap,
     )
+
+
+@_op.register_fake
+def _(
+    q, k_cache, v_cache, cache_seqlens, block_table, scale, window, capacity, softcap
+):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)

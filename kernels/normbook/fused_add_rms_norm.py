@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _validate
+from . import _library, _validate
 from ._config import (
     LAUNCH,
     accumulation_dtype,
@@ -226,39 +226,94 @@ def _forward(
     return y, h, rstd
 
 
-class FusedAddRMSNormFunction(torch.autograd.Function):
-    """``fused_add_rms_norm`` with its Triton backward: gradients for x, residual and
-    weight, through both outputs ``y`` and ``h``."""
+# ---------------------------------------------------------------- the operators
 
-    @staticmethod
-    def forward(ctx, x, residual, weight, eps, offset, mode):
-        ctx.x_shape = x.shape
-        ctx.offset = offset
-        # an unused output's gradient stays None: nothing to read
-        ctx.set_materialize_grads(False)
-        y, h, rstd = _forward(
-            _validate.as_rows(x), _validate.as_rows(residual), weight, eps, offset, mode
-        )
-        ctx.save_for_backward(h, weight, rstd)
-        return y.view(x.shape), h.view(x.shape)
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dy, dh):
-        h2d, weight, rstd = ctx.saved_tensors
-        need_dw = ctx.needs_input_grad[2]
+@torch.library.custom_op("normbook::fused_add_rms_norm", mutates_args=())
+def _op(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    offset: float,
+    mode: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch.ops.normbook.fused_add_rms_norm``: (y, h, rstd), rstd one per row in the
+    accumulation dtype (what the backward reads, with h)."""
+    if x.numel() == 0:
+        # Nothing to add or normalize: no launch.
+        rstd = x.new_empty(_library.rows(x), dtype=accumulation_dtype(x.dtype))
+        return _library.fresh(x), _library.fresh(x), rstd
+    x2d, r2d = _validate.as_rows(x), _validate.as_rows(residual)
+    y, h, rstd = _forward(x2d, r2d, weight, eps, offset, mode)
+    return y.view(x.shape), h.view(x.shape), rstd
+
+
+@_op.register_fake
+def _(x, residual, weight, eps, offset, mode):
+    rstd = x.new_empty(_library.rows(x), dtype=accumulation_dtype(x.dtype))
+    return _library.fresh(x), _library.fresh(x), rstd
+
+
+@torch.library.custom_op("normbook::fused_add_rms_norm_backward", mutates_args=())
+def _op_backward(
+    dy: torch.Tensor,
+    dh: torch.Tensor | None,
+    h: torch.Tensor,
+    weight: torch.Tensor | None,
+    rstd: torch.Tensor,
+    offset: float,
+    need_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.normbook.fused_add_rms_norm_backward``: (dx, dγ) from the gradients
+    of y and (if it was used) h; dx is also the residual's gradient. dγ is
+    :func:`~normbook._library.not_computed` unless ``need_dw`` and there is a
+    weight."""
+    need_dw = need_dw and weight is not None
+    if h.numel() == 0:
+        # dx is empty and dγ an empty sum: zero
+        dw = torch.zeros_like(weight) if need_dw else _library.not_computed(h)
+        return torch.zeros_like(h), dw
+    dh2d = None if dh is None else _validate.as_rows(dh)
+    dx, dw = _backward(
+        _validate.as_rows(dy), _validate.as_rows(h), weight, rstd, need_dw, offset, dh2d
+    )
+    return dx.view(h.shape), dw if need_dw else _library.not_computed(h)
+
+
+@_op_backward.register_fake
+def _(dy, dh, h, weight, rstd, offset, need_dw):
+    need_dw = need_dw and weight is not None
+    dw = _library.fresh(weight) if need_dw else _library.not_computed(h)
+    return _library.fresh(h), dw
+
+
+def _setup_context(ctx, inputs, output):
+    _, _, weight, _, offset, _ = inputs
+    _, h, rstd = output
+    ctx.offset = offset
+    # an unused output's gradient stays None: nothing to read
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(rstd)
+    ctx.save_for_backward(h, weight, rstd)
+
+
+def _autograd_backward(ctx, dy, dh, _):
+    h, weight, rstd = ctx.saved_tensors
+    need_dw = weight is not None and ctx.needs_input_grad[2]
+    if dy is None:
         # only h was used: its gradient passes straight to x and residual
-        if dy is None:
-            dw = torch.zeros_like(weight) if weight is not None and need_dw else None
-            return dh, dh, dw, None, None, None
-        dh2d = None if dh is None else _validate.as_rows(dh)
-        dx, dw = _backward(
-            _validate.as_rows(dy), h2d, weight, rstd, need_dw, ctx.offset, dh2d
-        )
-        dx = dx.view(ctx.x_shape)
-        # h = x + residual: the same gradient for both (autograd's AddBackward does the
-        # same).
-        return dx, dx, dw, None, None, None
+        dw = torch.zeros_like(weight) if need_dw else None
+        return dh, dh, dw, None, None, None
+    dx, dw = torch.ops.normbook.fused_add_rms_norm_backward(
+        dy, dh, h, weight, rstd, ctx.offset, need_dw
+    )
+    # h = x + residual: the same gradient for both (autograd's AddBackward does the
+    # same).
+    return dx, dx, dw if need_dw else None, None, None, None
+
+
+_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 def fused_add_rms_norm(
@@ -292,7 +347,7 @@ def fused_add_rms_norm(
         casting_mode: ``"llama"`` (default), ``"gemma"`` or ``"none"``.
 
     Differentiable with respect to ``x``, ``residual`` and ``weight``, through both
-    outputs (Triton backward, see :class:`FusedAddRMSNormFunction`).
+    outputs (Triton backward, the operator ``normbook::fused_add_rms_norm_backward``).
 
     Raises:
         TypeError / ValueError naming the bad argument, before any kernel is launched.
@@ -303,30 +358,7 @@ def fused_add_rms_norm(
     _validate.check_param(weight, "weight", n, x)
     eps = _validate.check_eps(eps)
     offset, mode = check_convention(offset, casting_mode, weight)
-    if x.numel() == 0:
-        y = torch.empty_like(x, memory_format=torch.contiguous_format)
-        h = torch.empty_like(x, memory_format=torch.contiguous_format)
-        wants_grad = (
-            x.requires_grad
-            or residual.requires_grad
-            or (weight is not None and weight.requires_grad)
-        )
-        if torch.is_grad_enabled() and wants_grad:
-            # Keep the graph: dx, dr empty and dγ (an empty sum) zero, through autograd
-            # itself.
-            zero = (x.sum() + residual.sum()) * 0
-            if weight is not None:
-                zero = zero + (weight * 0).sum()
-            y, h = y + zero, h + zero
-        return y, h
-    if torch.is_grad_enabled() and (
-        x.requires_grad
-        or residual.requires_grad
-        or (weight is not None and weight.requires_grad)
-    ):
-        y, h = FusedAddRMSNormFunction.apply(x, residual, weight, eps, offset, mode)
-        return y, h
-    y, h, _ = _forward(
-        _validate.as_rows(x), _validate.as_rows(residual), weight, eps, offset, mode
+    y, h, _ = torch.ops.normbook.fused_add_rms_norm(
+        x, residual, weight, eps, offset, mode
     )
-    return y.view(x.shape), h.view(x.shape)
+    return y, h

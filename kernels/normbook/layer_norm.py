@@ -28,15 +28,15 @@ The per-row mean and ``rstd = 1/sqrt(σ² + ε)`` are stored (fp32; fp64 for fp6
 for a backward pass.
 
 Backward: :mod:`normbook.layer_norm_backward` (the vector-Jacobian product, its
-kernels and their launch plan), beside this module; :class:`LayerNormFunction` calls
-it.
+kernels and their launch plan), beside this module; the operator
+``normbook::layer_norm_backward`` calls it.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from . import _validate
+from . import _library, _validate
 from ._config import (
     LAUNCH,
     LOOP_BLOCK_N,
@@ -197,36 +197,94 @@ def _forward(x2d: torch.Tensor, weight, bias, eps: float):
     return y, mean, rstd
 
 
-class LayerNormFunction(torch.autograd.Function):
-    """``layer_norm`` with its Triton backward: gradients with respect to x, weight and
-    bias."""
+# ---------------------------------------------------------------- the operators
 
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps):
-        ctx.x_shape = x.shape
-        if x.numel() == 0:
-            # Nothing to normalize; the gradients are empty (dx) and zero (dγ, dβ: empty
-            # sums).
-            ctx.save_for_backward(None, weight, bias, None, None)
-            return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+@torch.library.custom_op("normbook::layer_norm", mutates_args=())
+def _op(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch.ops.normbook.layer_norm``: (y, mean, rstd), mean and rstd one per row in
+    the accumulation dtype (what the backward reads)."""
+    if x.numel() == 0:
+        # Nothing to normalize: no launch.
+        stat = x.new_empty(_library.rows(x), dtype=accumulation_dtype(x.dtype))
+        return _library.fresh(x), stat, stat.clone()
+    y2d, mean, rstd = _forward(_validate.as_rows(x), weight, bias, eps)
+    return y2d.view(x.shape), mean, rstd
+
+
+@_op.register_fake
+def _(x, weight, bias, eps):
+    stat = x.new_empty(_library.rows(x), dtype=accumulation_dtype(x.dtype))
+    return _library.fresh(x), stat, _library.fresh(stat)
+
+
+@torch.library.custom_op("normbook::layer_norm_backward", mutates_args=())
+def _op_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    need_dw: bool,
+    need_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch.ops.normbook.layer_norm_backward``: (dx, dγ, dβ); dγ (dβ) is
+    :func:`~normbook._library.not_computed` unless asked for and there is a weight
+    (bias)."""
+    need_dw = need_dw and weight is not None
+    need_db = need_db and bias is not None
+    if x.numel() == 0:
+        # dx is empty, dγ and dβ empty sums: zero
+        dx = torch.zeros_like(dy)
+        dw = torch.zeros_like(weight) if need_dw else None
+        db = torch.zeros_like(bias) if need_db else None
+    else:
         x2d = _validate.as_rows(x)
-        y2d, mean, rstd = _forward(x2d, weight, bias, eps)
-        ctx.save_for_backward(x2d, weight, bias, mean, rstd)
-        return y2d.view(x.shape)
+        dy2d = _validate.as_rows(dy)
+        dx, dw, db = _backward(dy2d, x2d, weight, bias, mean, rstd, need_dw, need_db)
+        dx = dx.view(x.shape)
+    return (
+        dx,
+        dw if need_dw else _library.not_computed(x),
+        db if need_db else _library.not_computed(x),
+    )
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dy):
-        x2d, weight, bias, mean, rstd = ctx.saved_tensors
-        _, need_dw, need_db, _ = ctx.needs_input_grad
-        if x2d is None:
-            dw = torch.zeros_like(weight) if weight is not None and need_dw else None
-            db = torch.zeros_like(bias) if bias is not None and need_db else None
-            return torch.zeros_like(dy), dw, db, None
-        dx, dw, db = _backward(
-            _validate.as_rows(dy), x2d, weight, bias, mean, rstd, need_dw, need_db
-        )
-        return dx.view(ctx.x_shape), dw, db, None
+
+@_op_backward.register_fake
+def _(dy, x, weight, bias, mean, rstd, need_dw, need_db):
+    need_dw = need_dw and weight is not None
+    need_db = need_db and bias is not None
+    return (
+        _library.fresh(x),
+        _library.fresh(weight) if need_dw else _library.not_computed(x),
+        _library.fresh(bias) if need_db else _library.not_computed(x),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, _ = inputs
+    _, mean, rstd = output
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.save_for_backward(x, weight, bias, mean, rstd)
+
+
+def _autograd_backward(ctx, dy, _dmean, _drstd):
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    _, need_dw, need_db, _ = ctx.needs_input_grad
+    need_dw, need_db = need_dw and weight is not None, need_db and bias is not None
+    dx, dw, db = torch.ops.normbook.layer_norm_backward(
+        dy, x, weight, bias, mean, rstd, need_dw, need_db
+    )
+    return dx, dw if need_dw else None, db if need_db else None, None
+
+
+_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 def layer_norm(
@@ -252,8 +310,8 @@ def layer_norm(
         eps: finite, >= 0, added to the variance inside the square root.
 
     Differentiable with respect to ``x``, ``weight`` and ``bias`` (Triton backward
-    kernels, see :class:`LayerNormFunction`); without ``requires_grad`` nothing is saved
-    for a backward pass.
+    kernels, the operator ``normbook::layer_norm_backward``); without
+    ``requires_grad`` nothing is saved for a backward pass.
 
     Raises:
         TypeError / ValueError naming the bad argument, before any kernel is launched.
@@ -263,11 +321,5 @@ def layer_norm(
     _validate.check_param(weight, "weight", n, x)
     _validate.check_param(bias, "bias", n, x)
     eps = _validate.check_eps(eps)
-    wants_grad = any(t is not None and t.requires_grad for t in (x, weight, bias))
-    if torch.is_grad_enabled() and wants_grad:
-        return LayerNormFunction.apply(x, weight, bias, eps)
-    # No gradient wanted: launch the forward directly and save nothing.
-    if x.numel() == 0:
-        return torch.empty_like(x, memory_format=torch.contiguous_format)
-    y, _, _ = _forward(_validate.as_rows(x), weight, bias, eps)
-    return y.view(x.shape)
+    y, _, _ = torch.ops.normbook.layer_norm(x, weight, bias, eps)
+    return y

@@ -1,5 +1,5 @@
 r"""LayerNorm's backward: the kernels behind
-:class:`normbook.layer_norm.LayerNormFunction`, their launch plan
+the operator ``normbook::layer_norm_backward``, their launch plan
 (:func:`backward_plan`) and launcher (:func:`_backward`).
 
 Apart from the forward (:mod:`normbook.layer_norm`) so that each module stays short; it

@@ -37,7 +37,7 @@ import numbers
 import torch
 import triton
 
-from . import _validate
+from . import _library, _validate
 from ._config import accumulation_dtype
 from .cross_entropy import REDUCTIONS, _reduce, check_target_range
 from .cross_entropy import _backward as _ce_backward
@@ -110,33 +110,108 @@ def _backward(h2d, weight, target, lse, g, ignore_index, want_h, want_w):
     return (dh.to(h2d.dtype) if want_h else None), dw
 
 
-class LinearCrossEntropyFunction(torch.autograd.Function):
-    """Saves h, W, the targets and one log-sum-exp per row; the backward recomputes the
-    logits block by block (see the module's docstring)."""
+# ---------------------------------------------------------------- the operators
 
-    @staticmethod
-    def forward(
-        ctx, h2d, weight, target, ignore_index, reduction, out_shape, loss_dtype
-    ):
-        loss, lse = _forward(h2d, weight, target, ignore_index)
-        count = (target != ignore_index).sum()
-        ctx.save_for_backward(h2d, weight, target, lse, count)
-        ctx.ignore_index, ctx.reduction = ignore_index, reduction
-        return _reduce(loss, count, reduction, loss_dtype).reshape(out_shape)
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dloss):
-        h2d, weight, target, lse, count = ctx.saved_tensors
-        g = dloss.reshape(-1).to(lse.dtype)
-        if ctx.reduction == "mean":
-            # inf when every row is ignored: then no row uses it
-            g = g / count.to(lse.dtype)
-        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dh, dw = _backward(
-            h2d, weight, target, lse, g.contiguous(), ctx.ignore_index, want_h, want_w
-        )
-        return dh, dw, None, None, None, None, None
+@torch.library.custom_op("normbook::linear_cross_entropy", mutates_args=())
+def _op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    loss_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch.ops.normbook.linear_cross_entropy``: (loss, lse, count), one log-sum-exp
+    per row and the number of rows not ignored (what the backward reads). The targets'
+    range is checked here, before any product: it reads their values."""
+    check_target_range(target, weight.shape[0], ignore_index)
+    h2d = hidden.reshape(-1, hidden.shape[-1])
+    t = target.reshape(-1).contiguous().to(torch.int64)
+    loss, lse = _forward(h2d, weight, t, ignore_index)
+    count = (t != ignore_index).sum()
+    out_shape = target.shape if reduction == "none" else ()
+    return _reduce(loss, count, reduction, loss_dtype).reshape(out_shape), lse, count
+
+
+@_op.register_fake
+def _(hidden, weight, target, ignore_index, reduction, loss_dtype):
+    out_shape = target.shape if reduction == "none" else ()
+    loss = hidden.new_empty(out_shape, dtype=loss_dtype)
+    lse = hidden.new_empty(
+        _library.rows(hidden), dtype=accumulation_dtype(hidden.dtype)
+    )
+    return loss, lse, target.new_empty((), dtype=torch.int64)
+
+
+@torch.library.custom_op("normbook::linear_cross_entropy_backward", mutates_args=())
+def _op_backward(
+    dloss: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    count: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    want_h: bool,
+    want_w: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.normbook.linear_cross_entropy_backward``: (dh, dW), each
+    :func:`~normbook._library.not_computed` unless wanted."""
+    g = dloss.reshape(-1).to(lse.dtype)
+    if reduction == "mean":
+        # inf when every row is ignored: then no row uses it
+        g = g / count.to(lse.dtype)
+    h2d = hidden.reshape(-1, hidden.shape[-1])
+    t = target.reshape(-1).contiguous().to(torch.int64)
+    dh, dw = _backward(
+        h2d, weight, t, lse, g.contiguous(), ignore_index, want_h, want_w
+    )
+    return (
+        dh.view(hidden.shape) if want_h else _library.not_computed(hidden),
+        dw if want_w else _library.not_computed(hidden),
+    )
+
+
+@_op_backward.register_fake
+def _(
+    dloss, hidden, weight, target, lse, count, ignore_index, reduction, want_h, want_w
+):
+    return (
+        _library.fresh(hidden) if want_h else _library.not_computed(hidden),
+        _library.fresh(weight) if want_w else _library.not_computed(hidden),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    # h, W, the targets and one log-sum-exp per row: the backward recomputes the logits
+    # block by block
+    hidden, weight, target, ctx.ignore_index, ctx.reduction, _ = inputs
+    _, lse, count = output
+    ctx.mark_non_differentiable(lse, count)
+    ctx.save_for_backward(hidden, weight, target, lse, count)
+
+
+def _autograd_backward(ctx, dloss, _dlse, _dcount):
+    hidden, weight, target, lse, count = ctx.saved_tensors
+    want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    dh, dw = torch.ops.normbook.linear_cross_entropy_backward(
+        dloss,
+        hidden,
+        weight,
+        target,
+        lse,
+        count,
+        ctx.ignore_index,
+        ctx.reduction,
+        want_h,
+        want_w,
+    )
+    return dh if want_h else None, dw if want_w else None, None, None, None, None
+
+
+_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 def _check(hidden, weight, target, ignore_index, reduction):
@@ -190,24 +265,16 @@ def _check(hidden, weight, target, ignore_index, reduction):
             f"dimension), got {tuple(target.shape)}"
         )
     _validate.check_same_device("target", target, "hidden", hidden)
-    check_target_range(target, weight.shape[0], ignore_index)
 
 
 def _linear_cross_entropy(hidden, weight, target, ignore_index, reduction, loss_dtype):
     """The checked call; ``loss_dtype`` is where the reduced loss is rounded
     (normbook.hf asks for fp32, as transformers upcasts the logits before its loss)."""
     _check(hidden, weight, target, ignore_index, reduction)
-    ignore_index = int(ignore_index)
-    h2d = hidden.reshape(-1, hidden.shape[-1])
-    t = target.reshape(-1).contiguous().to(torch.int64)
-    out_shape = target.shape if reduction == "none" else ()
-    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return LinearCrossEntropyFunction.apply(
-            h2d, weight, t, ignore_index, reduction, out_shape, loss_dtype
-        )
-    loss, _ = _forward(h2d, weight, t, ignore_index)
-    count = (t != ignore_index).sum()
-    return _reduce(loss, count, reduction, loss_dtype).reshape(out_shape)
+    loss, _, _ = torch.ops.normbook.linear_cross_entropy(
+        hidden, weight, target, int(ignore_index), reduction, loss_dtype
+    )
+    return loss
 
 
 def linear_cross_entropy(
@@ -253,7 +320,8 @@ def largest_intermediate(fn, *args, **kwargs):
     backward), recorded by a ``TorchDispatchMode``. An output that shares a storage with
     an input (a view, an in-place op, the interpreter's byte views of a kernel's
     arguments) allocates nothing and is not counted. Triton kernels write into tensors
-    allocated through PyTorch, so their buffers are seen too."""
+    allocated through PyTorch, so their buffers are seen too, inside this package's
+    operators as well."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
@@ -270,7 +338,16 @@ def largest_intermediate(fn, *args, **kwargs):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             seen = {s.data_ptr() for s in storages((args, kwargs))}
-            out = func(*args, **kwargs)
+            if func.namespace == "normbook":
+                # One of this package's operators (torch.ops.normbook) is one call to
+                # the mode: run its kernel for the device (CPU or CUDA) with the mode
+                # pushed again, so that what it allocates inside is seen too.
+                device = next(storages(args)).device.type
+                key = getattr(torch._C.DispatchKey, device.upper())
+                with Largest():
+                    out = func.redispatch(torch._C.DispatchKeySet(key), *args, **kwargs)
+            else:
+                out = func(*args, **kwargs)
             for s in storages(out):
                 if s.data_ptr() not in seen:
                     Largest.nbytes = max(Largest.nbytes, s.nbytes())

@@ -18,14 +18,14 @@ then ``apply_rotary_pos_emb``) step by step, so that bf16 results are bit-identi
 it but for the fp32 statistics' last bit.
 
 Backward: :mod:`normbook.qk_norm_rope_backward` (the vector-Jacobian product, its
-kernels and their tiling), beside this module; :class:`QKNormRoPEFunction` calls it.
+kernels and their tiling), beside this module; the backward operator calls it.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from . import _validate
+from . import _library, _validate
 from ._config import LAUNCH, MAX_FUSED_BYTES, _forward_config, tl_accumulation_dtype
 from ._runtime import device_guard
 from ._triton_utils import round_to
@@ -257,45 +257,96 @@ def _forward(q, k, q_weight, k_weight, cos, sin, eps: float):
     return q_out, k_out
 
 
-class QKNormRoPEFunction(torch.autograd.Function):
-    """``qk_norm_rope`` with its Triton backward: gradients for q, k, q_weight and
-    k_weight. cos and sin are constants (the rotary embedding computes them without a
-    graph); the public function refuses them when they require grad."""
+# ---------------------------------------------------------------- the operators
 
-    @staticmethod
-    def forward(ctx, q, k, q_weight, k_weight, cos, sin, eps):
-        q_out, k_out = _forward(q, k, q_weight, k_weight, cos, sin, eps)
-        ctx.save_for_backward(q, k, q_weight, k_weight, cos, sin)
-        ctx.eps = eps
-        return q_out, k_out
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dq_out, dk_out):
-        q, k, q_weight, k_weight, cos, sin = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        dq, dk, dqw, dkw = _backward(
-            dq_out,
-            dk_out,
-            q,
-            k,
-            q_weight,
-            k_weight,
-            cos,
-            sin,
-            ctx.eps,
-            need[2],
-            need[3],
-        )
-        return (
-            dq if need[0] else None,
-            dk if need[1] else None,
-            dqw,
-            dkw,
-            None,
-            None,
-            None,
-        )
+@torch.library.custom_op("normbook::qk_norm_rope", mutates_args=())
+def _op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.normbook.qk_norm_rope``: (q_out, k_out) from checked inputs."""
+    q, k, cos, sin = (_last_dim_contiguous(t) for t in (q, k, cos, sin))
+    return _forward(q, k, q_weight, k_weight, cos, sin, eps)
+
+
+@_op.register_fake
+def _(q, k, q_weight, k_weight, cos, sin, eps):
+    return _library.fresh(q), _library.fresh(k)
+
+
+@torch.library.custom_op("normbook::qk_norm_rope_backward", mutates_args=())
+def _op_backward(
+    dq_out: torch.Tensor,
+    dk_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    need_dqw: bool,
+    need_dkw: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch.ops.normbook.qk_norm_rope_backward``: (dq, dk, dγ_q, dγ_k); a weight's
+    gradient is :func:`~normbook._library.not_computed` unless asked for (and there
+    are weights)."""
+    need_dqw, need_dkw = (n and q_weight is not None for n in (need_dqw, need_dkw))
+    q, k, cos, sin = (_last_dim_contiguous(t) for t in (q, k, cos, sin))
+    dq, dk, dqw, dkw = _backward(
+        dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, eps, need_dqw, need_dkw
+    )
+    return (
+        dq,
+        dk,
+        dqw if need_dqw else _library.not_computed(q),
+        dkw if need_dkw else _library.not_computed(q),
+    )
+
+
+@_op_backward.register_fake
+def _(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, eps, need_dqw, need_dkw):
+    need_dqw, need_dkw = (n and q_weight is not None for n in (need_dqw, need_dkw))
+    return (
+        _library.fresh(q),
+        _library.fresh(k),
+        _library.fresh(q_weight) if need_dqw else _library.not_computed(q),
+        _library.fresh(k_weight) if need_dkw else _library.not_computed(q),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    # cos and sin are constants (the public function refuses them when they require
+    # grad): saved to recompute the rotation, never differentiated
+    *tensors, ctx.eps = inputs
+    ctx.save_for_backward(*tensors)
+
+
+def _autograd_backward(ctx, dq_out, dk_out):
+    q, k, q_weight, k_weight, cos, sin = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    need_dqw, need_dkw = (n and q_weight is not None for n in need[2:4])
+    dq, dk, dqw, dkw = torch.ops.normbook.qk_norm_rope_backward(
+        dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, ctx.eps, need_dqw, need_dkw
+    )
+    return (
+        dq if need[0] else None,
+        dk if need[1] else None,
+        dqw if need_dqw else None,
+        dkw if need_dkw else None,
+        None,
+        None,
+        None,
+    )
+
+
+_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 def _check_rotary(t, name: str, q: torch.Tensor) -> None:
@@ -359,10 +410,10 @@ def qk_norm_rope(
         not transposed) and the dtype of ``q`` and ``k``.
 
     Differentiable with respect to ``q``, ``k``, ``q_weight`` and ``k_weight`` (Triton
-    backward kernels, see :class:`QKNormRoPEFunction`; the weight gradients are summed
-    in a fixed order, so they are reproducible bit for bit). ``cos`` and ``sin`` are
-    treated as constants: if either requires grad (with grad mode on) a ``ValueError``
-    is raised rather than dropping its gradient.
+    backward kernels, ``normbook::qk_norm_rope_backward``; the weight gradients are
+    summed in a fixed order, so they are reproducible bit for bit). ``cos`` and
+    ``sin`` are treated as constants: if either requires grad (with grad mode on) a
+    ``ValueError`` is raised rather than dropping its gradient.
 
     Raises:
         TypeError / ValueError naming the bad argument, before any kernel is launched.
@@ -418,13 +469,7 @@ def qk_norm_rope(
                 f"{name}.detach(), as the rotary embedding (computed "
                 "under no_grad) does"
             )
-    q, k, cos, sin = (_last_dim_contiguous(t) for t in (q, k, cos, sin))
-    if grad and any(
-        t is not None and t.requires_grad for t in (q, k, q_weight, k_weight)
-    ):
-        return QKNormRoPEFunction.apply(q, k, q_weight, k_weight, cos, sin, eps)
-    # No gradient wanted: launch the forward directly and save nothing.
-    return _forward(q, k, q_weight, k_weight, cos, sin, eps)
+    return torch.ops.normbook.qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps)
 
 
 # ---------------------------------------------------------------- the unfused torch

@@ -1,5 +1,5 @@
 r"""qk_norm_rope's backward: the kernels behind
-:class:`normbook.qk_norm_rope.QKNormRoPEFunction`, their tiling and launcher.
+the operator ``normbook::qk_norm_rope_backward``, their tiling and launcher.
 
 Apart from the forward (:mod:`normbook.qk_norm_rope`) so that each module stays short;
 it imports nothing from it. The forward's tiling (``_forward_config``, of which the

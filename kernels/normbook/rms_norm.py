@@ -27,8 +27,8 @@ than a GPU streams during one launch's latency, so we expect a second launch to 
 more than the programs it adds would gain.
 
 Backward: :mod:`normbook.rms_norm_backward` (the vector-Jacobian product, its
-kernels and their launch plan), beside this module; :class:`RMSNormFunction` calls
-it.
+kernels and their launch plan), beside this module; the operator
+``normbook::rms_norm_backward`` calls it.
 
 
 Conventions (``casting_mode``, ``offset``; the names are Liger-Kernel's). The scale is
@@ -60,7 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _validate
+from . import _library, _validate
 from ._config import (
     LAUNCH,
     RMS_LOOP_BLOCK_N,
@@ -84,7 +84,7 @@ def check_convention(offset, casting_mode, weight) -> tuple[float, int]:
     if isinstance(offset, bool) or not isinstance(offset, numbers.Real):
         raise TypeError(f"offset must be a real number, got {type(offset).__name__}")
     offset = float(offset)
-    if not torch.isfinite(torch.tensor(offset)):
+    if not abs(offset) < float("inf"):  # NaN too; a Python test, no tensor to trace
         raise ValueError(f"offset must be finite, got {offset}")
     if not isinstance(casting_mode, str) or casting_mode not in CASTING_MODES:
         raise ValueError(
@@ -384,40 +384,78 @@ def _forward(
     return y, rstd
 
 
-class RMSNormFunction(torch.autograd.Function):
-    """``rms_norm`` with its Triton backward: gradients with respect to x and weight."""
+# ---------------------------------------------------------------- the operators
 
-    @staticmethod
-    def forward(ctx, x, weight, eps, offset, mode):
-        ctx.x_shape = x.shape
-        ctx.offset = offset
-        if x.numel() == 0:
-            # Nothing to normalize; the gradients are empty (dx) and zero (dγ, an empty
-            # sum).
-            ctx.save_for_backward(None, weight, None)
-            return torch.empty_like(x, memory_format=torch.contiguous_format)
-        x2d = _validate.as_rows(x)
-        y2d, rstd = _forward(x2d, weight, eps, offset, mode)
-        ctx.save_for_backward(x2d, weight, rstd)
-        return y2d.view(x.shape)
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dy):
-        x2d, weight, rstd = ctx.saved_tensors
-        if x2d is None:
-            need_dw = weight is not None and ctx.needs_input_grad[1]
-            dw = torch.zeros_like(weight) if need_dw else None
-            return torch.zeros_like(dy), dw, None, None, None
-        dx, dw = _backward(
-            _validate.as_rows(dy),
-            x2d,
-            weight,
-            rstd,
-            ctx.needs_input_grad[1],
-            ctx.offset,
+@torch.library.custom_op("normbook::rms_norm", mutates_args=())
+def _op(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, mode: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.normbook.rms_norm``: (y, rstd), rstd one per row in the accumulation
+    dtype (what the backward reads)."""
+    if x.numel() == 0:
+        # Nothing to normalize: no launch.
+        return _library.fresh(x), x.new_empty(
+            _library.rows(x), dtype=accumulation_dtype(x.dtype)
         )
-        return dx.view(ctx.x_shape), dw, None, None, None
+    y2d, rstd = _forward(_validate.as_rows(x), weight, eps, offset, mode)
+    return y2d.view(x.shape), rstd
+
+
+@_op.register_fake
+def _(x, weight, eps, offset, mode):
+    return _library.fresh(x), x.new_empty(
+        _library.rows(x), dtype=accumulation_dtype(x.dtype)
+    )
+
+
+@torch.library.custom_op("normbook::rms_norm_backward", mutates_args=())
+def _op_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    rstd: torch.Tensor,
+    offset: float,
+    need_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.normbook.rms_norm_backward``: (dx, dγ); dγ is
+    :func:`~normbook._library.not_computed` unless ``need_dw`` and there is a weight."""
+    need_dw = need_dw and weight is not None
+    if x.numel() == 0:
+        # dx is empty and dγ an empty sum: zero
+        dw = torch.zeros_like(weight) if need_dw else _library.not_computed(x)
+        return torch.zeros_like(dy), dw
+    dx, dw = _backward(
+        _validate.as_rows(dy), _validate.as_rows(x), weight, rstd, need_dw, offset
+    )
+    return dx.view(x.shape), dw if need_dw else _library.not_computed(x)
+
+
+@_op_backward.register_fake
+def _(dy, x, weight, rstd, offset, need_dw):
+    need_dw = need_dw and weight is not None
+    dw = _library.fresh(weight) if need_dw else _library.not_computed(x)
+    return _library.fresh(x), dw
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, _, offset, _ = inputs
+    _, rstd = output
+    ctx.offset = offset
+    ctx.mark_non_differentiable(rstd)
+    ctx.save_for_backward(x, weight, rstd)
+
+
+def _autograd_backward(ctx, dy, _):
+    x, weight, rstd = ctx.saved_tensors
+    need_dw = weight is not None and ctx.needs_input_grad[1]
+    dx, dw = torch.ops.normbook.rms_norm_backward(
+        dy, x, weight, rstd, ctx.offset, need_dw
+    )
+    return dx, dw if need_dw else None, None, None, None
+
+
+_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 def rms_norm(
@@ -448,9 +486,9 @@ def rms_norm(
         weight.
         casting_mode: ``"llama"`` (default), ``"gemma"`` or ``"none"``.
 
-    Differentiable with respect to ``x`` and ``weight`` (Triton backward kernels, see
-    :class:`RMSNormFunction`); without ``requires_grad`` nothing is saved for a backward
-    pass.
+    Differentiable with respect to ``x`` and ``weight`` (Triton backward kernels, the
+    operator ``normbook::rms_norm_backward``); without ``requires_grad`` nothing is
+    saved for a backward pass.
 
     Raises:
         TypeError / ValueError naming the bad argument, before any kernel is launched.
@@ -460,12 +498,5 @@ def rms_norm(
     _validate.check_param(weight, "weight", n, x)
     eps = _validate.check_eps(eps)
     offset, mode = check_convention(offset, casting_mode, weight)
-    if torch.is_grad_enabled() and (
-        x.requires_grad or (weight is not None and weight.requires_grad)
-    ):
-        return RMSNormFunction.apply(x, weight, eps, offset, mode)
-    # No gradient wanted: launch the forward directly and save nothing.
-    if x.numel() == 0:
-        return torch.empty_like(x, memory_format=torch.contiguous_format)
-    y, _ = _forward(_validate.as_rows(x), weight, eps, offset, mode)
-    return y.view(x.shape)
+    y, _ = torch.ops.normbook.rms_norm(x, weight, eps, offset, mode)
+    return y

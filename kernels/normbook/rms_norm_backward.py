@@ -1,4 +1,4 @@
-r"""RMSNorm's backward: the kernels behind :class:`normbook.rms_norm.RMSNormFunction`
+r"""RMSNorm's backward: the kernels behind the operator ``normbook::rms_norm_backward``
 and :func:`normbook.fused_add_rms_norm`'s backward, their launch plan and launcher.
 
 Apart from the forward (:mod:`normbook.rms_norm`) so that each module stays short; it

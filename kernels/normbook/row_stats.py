@@ -387,6 +387,18 @@ def row_variance(
         )
     method = _check_method(method)
     acc_dtype = _check_acc_dtype(acc_dtype, x)
+    return torch.ops.normbook.row_variance(x, method, acc_dtype)
+
+
+# ---------------------------------------------------------------- the operator
+
+
+@torch.library.custom_op("normbook::row_variance", mutates_args=())
+def _op(
+    x: torch.Tensor, method: str, acc_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.normbook.row_variance``: (mean, var) of checked inputs. No autograd:
+    the public function refuses an ``x`` that requires grad."""
     lead = x.shape[:-1]
     # no kernel to launch: empty rows, or rows with no elements (mean 0/0 = NaN)
     if x.numel() == 0:
@@ -397,3 +409,9 @@ def row_variance(
         )
     mean, var = _forward(_validate.as_rows(x), method, acc_dtype)
     return mean.view(lead), var.view(lead)
+
+
+@_op.register_fake
+def _(x, method, acc_dtype):
+    acc = accumulation_dtype(acc_dtype)
+    return x.new_empty(x.shape[:-1], dtype=acc), x.new_empty(x.shape[:-1], dtype=acc)

@@ -397,11 +397,34 @@ def sample(
         raise ValueError(
             "logits must have at least one entry in its last dimension (the vocabulary)"
         )
-    x2d = _validate.as_rows(logits.detach())
+    # A torch.Generator cannot cross an operator's schema: its one draw is made here.
+    seed = philox_seed(generator) if temperature != 0.0 else 0
+    return torch.ops.normbook.sample(
+        logits.detach(), temperature, top_k, top_p, min_p, seed
+    )
+
+
+@torch.library.custom_op("normbook::sample", mutates_args=())
+def _op(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    min_p: float | None,
+    seed: int,
+) -> torch.Tensor:
+    """``torch.ops.normbook.sample``: checked arguments, an int ``seed`` (the Philox
+    key). The logits' values are checked here, before the launch: one host read."""
+    x2d = _validate.as_rows(logits)
     rowmax = x2d.amax(dim=-1)
     _check_values(rowmax)
-    idx, _ = _launch(x2d, rowmax, temperature, top_k, top_p, min_p, generator)
-    return idx.view(out_shape)
+    idx, _ = _launch(x2d, rowmax, temperature, top_k, top_p, min_p, seed)
+    return idx.view(logits.shape[:-1])
+
+
+@_op.register_fake
+def _(logits, temperature, top_k, top_p, min_p, seed):
+    return logits.new_empty(logits.shape[:-1], dtype=torch.int64)
 
 
 def _launch(

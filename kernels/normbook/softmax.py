@@ -222,29 +222,57 @@ def _unrows(t2d: torch.Tensor, shape, dim: int) -> torch.Tensor:
     return t2d.view(moved).movedim(-1, dim)
 
 
-class SoftmaxFunction(torch.autograd.Function):
-    """``softmax`` with its Triton backward: saves the output p, not the input."""
+def _empty_along(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """An uninitialized tensor of ``t``'s shape in the layout the kernels write: rows
+    along ``dim``, each contiguous."""
+    moved = list(t.shape)
+    moved.append(moved.pop(dim))
+    return t.new_empty(moved).movedim(-1, dim)
 
-    @staticmethod
-    def forward(ctx, x, dim):
-        ctx.dim = dim
-        if x.numel() == 0:
-            y = torch.empty_like(x, memory_format=torch.contiguous_format)
-            ctx.save_for_backward(y)
-            return y
-        y = _unrows(_forward(_rows_along(x, dim)), x.shape, dim)
-        ctx.save_for_backward(y)
-        return y
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dy):
-        (y,) = ctx.saved_tensors
-        dim = ctx.dim
-        if y.numel() == 0:
-            return torch.zeros_like(dy), None
-        dx = _backward(_rows_along(dy, dim), _rows_along(y, dim))
-        return _unrows(dx, y.shape, dim), None
+# ---------------------------------------------------------------- the operators
+
+
+@torch.library.custom_op("normbook::softmax", mutates_args=())
+def _op(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``torch.ops.normbook.softmax``: the forward launch on checked inputs."""
+    if x.numel() == 0:
+        return _empty_along(x, dim)
+    return _unrows(_forward(_rows_along(x, dim)), x.shape, dim)
+
+
+@_op.register_fake
+def _(x, dim):
+    return _empty_along(x, dim)
+
+
+@torch.library.custom_op("normbook::softmax_backward", mutates_args=())
+def _op_backward(y: torch.Tensor, dy: torch.Tensor, dim: int) -> torch.Tensor:
+    """``torch.ops.normbook.softmax_backward``: dx from the output p and its
+    gradient."""
+    if y.numel() == 0:
+        return _empty_along(y, dim).zero_()
+    dx = _backward(_rows_along(dy, dim), _rows_along(y, dim))
+    return _unrows(dx, y.shape, dim)
+
+
+@_op_backward.register_fake
+def _(y, dy, dim):
+    return _empty_along(y, dim)
+
+
+def _setup_context(ctx, inputs, output):
+    # the output p, not the input: the backward needs only p
+    ctx.dim = inputs[1]
+    ctx.save_for_backward(output)
+
+
+def _autograd_backward(ctx, dy):
+    (y,) = ctx.saved_tensors
+    return torch.ops.normbook.softmax_backward(y, dy, ctx.dim), None
+
+
+_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 def _check_dim(dim, ndim: int) -> int:
@@ -273,17 +301,12 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     or +inf, or a row of only -inf, gives NaN in that row only, as ``torch.softmax``
     does.
 
-    Differentiable (Triton backward, see :class:`SoftmaxFunction`); without
-    ``requires_grad`` nothing is saved.
+    Differentiable (Triton backward, the operator ``normbook::softmax_backward``);
+    without ``requires_grad`` nothing is saved.
 
     Raises:
         TypeError / ValueError naming the bad argument, before any kernel is launched.
     """
     _validate.check_input(x, "x")
     dim = _check_dim(dim, x.dim())
-    if torch.is_grad_enabled() and x.requires_grad:
-        return SoftmaxFunction.apply(x, dim)
-    # No gradient wanted: launch the forward directly and save nothing.
-    if x.numel() == 0:
-        return torch.empty_like(x, memory_format=torch.contiguous_format)
-    return _unrows(_forward(_rows_along(x, dim)), x.shape, dim)
+    return torch.ops.normbook.softmax(x, dim)

@@ -163,10 +163,27 @@ def speculative_sample(draft_tokens, draft_probs, target_probs, *, generator=Non
     if B == 0:
         empty = torch.empty((0, K + 1), dtype=torch.int64, device=device)
         return empty, torch.empty((0,), dtype=torch.int64, device=device)
-    q = draft_probs.detach().to(torch.float64)
-    p = target_probs.detach().to(torch.float64)
-    _check_values(draft_tokens, q, p)
+    # A torch.Generator cannot cross an operator's schema: its one draw is made here.
     seed = philox_seed(generator)
+    return torch.ops.normbook.speculative_sample(
+        draft_tokens, draft_probs.detach(), target_probs.detach(), seed
+    )
+
+
+@torch.library.custom_op("normbook::speculative_sample", mutates_args=())
+def _op(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    seed: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.normbook.speculative_sample``: checked arguments and an int seed. The
+    values are checked here, before any draw: one host read."""
+    B, K = draft_tokens.shape
+    device = draft_tokens.device
+    q = draft_probs.to(torch.float64)
+    p = target_probs.to(torch.float64)
+    _check_values(draft_tokens, q, p)
     rng = torch.Generator(device="cpu").manual_seed(seed)
     u_accept = torch.rand((B, K), generator=rng, dtype=torch.float64).to(device)
     u_emit = torch.rand((B,), generator=rng, dtype=torch.float64).to(device)
@@ -194,3 +211,10 @@ def speculative_sample(draft_tokens, draft_probs, target_probs, *, generator=Non
     tokens = torch.where(positions < j[:, None], drafts, -1)
     tokens = torch.where(positions == j[:, None], emitted[:, None], tokens)
     return tokens, num_accepted
+
+
+@_op.register_fake
+def _(draft_tokens, draft_probs, target_probs, seed):
+    B, K = draft_tokens.shape
+    tokens = draft_tokens.new_empty((B, K + 1))
+    return tokens, draft_tokens.new_empty((B,))

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _validate
+from . import _library, _validate
 from ._config import LAUNCH, tl_accumulation_dtype
 from ._runtime import device_guard
 from ._triton_utils import round_to
@@ -166,22 +166,46 @@ def _backward(g2d, u2d, dy2d):
     return dg, du
 
 
-class SwiGLUFunction(torch.autograd.Function):
-    """``swiglu`` with its one-pass Triton backward; saves gate and up (already in
-    memory)."""
+# ---------------------------------------------------------------- the operators
 
-    @staticmethod
-    def forward(ctx, g2d, u2d, shape):
-        ctx.save_for_backward(g2d, u2d)
-        return _forward(g2d, u2d).view(shape)
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dy):
-        g2d, u2d = ctx.saved_tensors
-        dy2d = _validate.as_rows(dy.to(g2d.dtype))
-        dg, du = _backward(g2d, u2d, dy2d)
-        return dg, du, None  # the shapes of g2d and u2d, the Function's inputs
+@torch.library.custom_op("normbook::swiglu", mutates_args=())
+def _op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``torch.ops.normbook.swiglu``: the forward launch on checked inputs."""
+    return _forward(_validate.as_rows(gate), _validate.as_rows(up)).view(gate.shape)
+
+
+@_op.register_fake
+def _(gate, up):
+    return _library.fresh(gate)
+
+
+@torch.library.custom_op("normbook::swiglu_backward", mutates_args=())
+def _op_backward(
+    gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.normbook.swiglu_backward``: (dgate, dup), one pass."""
+    dy2d = _validate.as_rows(dy.to(gate.dtype))
+    dg, du = _backward(_validate.as_rows(gate), _validate.as_rows(up), dy2d)
+    return dg.view(gate.shape), du.view(gate.shape)
+
+
+@_op_backward.register_fake
+def _(gate, up, dy):
+    return _library.fresh(gate), _library.fresh(gate)
+
+
+def _setup_context(ctx, inputs, output):
+    # gate and up are already in memory: nothing else is kept
+    ctx.save_for_backward(*inputs)
+
+
+def _autograd_backward(ctx, dy):
+    gate, up = ctx.saved_tensors
+    return torch.ops.normbook.swiglu_backward(gate, up, dy)
+
+
+_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -194,7 +218,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
             rows may be strided (the last dimension contiguous, else copied once).
 
     Returns a tensor of that shape and dtype. Differentiable in ``gate`` and ``up``
-    (one-pass Triton backward, see :class:`SwiGLUFunction`).
+    (one-pass Triton backward, the operator ``normbook::swiglu_backward``).
 
     Raises:
         TypeError / ValueError naming the bad argument, before any kernel is launched.
@@ -209,11 +233,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if up.dtype != gate.dtype:
         raise TypeError(f"up must have gate's dtype, {gate.dtype}, got {up.dtype}")
     _validate.check_same_device("up", up, "gate", gate)
-    shape = gate.shape
-    g2d, u2d = _validate.as_rows(gate), _validate.as_rows(up)
-    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
-        return SwiGLUFunction.apply(g2d, u2d, shape)
-    return _forward(g2d, u2d).view(shape)
+    return torch.ops.normbook.swiglu(gate, up)
 
 
-__all__ = ["swiglu", "SwiGLUFunction"]
+__all__ = ["swiglu"]

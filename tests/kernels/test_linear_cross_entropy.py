@@ -119,6 +119,9 @@ def test_no_intermediate_of_a_quarter_of_the_logits():
 
     _, largest = lce.largest_intermediate(step, linear_cross_entropy)
     assert largest < limit, (largest, limit)
+    # The mode sees inside the operator: the backward's block of logits (M, block) is
+    # there, and it is larger than every output (dW is V·d elements).
+    assert largest >= m * lce.block_words(v) * 4 > v * d * 4, largest
     # The mode sees a materialized path's logits: the measurement can fail.
     _, materialized = lce.largest_intermediate(
         step, lambda h, w, t: cross_entropy(F.linear(h, w), t)

@@ -58,6 +58,7 @@ def torch_ops(fn, *args, **kwargs):
     a ``TorchDispatchMode``, as a ``collections.Counter`` of (kind, op name). Kinds:
     "matmul", "embedding", "elementwise" (the model's remaining arithmetic), "layout"
     (views, transposes, a ``contiguous`` copy), "cache" (the KV cache's concatenation),
+    "kernels" (this package's operators, ``torch.ops.normbook``, one op per call),
     "kernel outputs" (the buffers a Triton kernel writes), "wrappers" (argument checks
     and views in this package's wrappers), and on the CPU "interpreter" (Triton's
     interpreter copying arguments: not a GPU op)."""
@@ -71,7 +72,9 @@ def torch_ops(fn, *args, **kwargs):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             op = func.overloadpacket.__name__
             where = _caller()
-            if where == "interpreter":
+            if func.namespace == "normbook":
+                kind = "kernels"  # one of this package's operators: a kernel's call
+            elif where == "interpreter":
                 kind = "interpreter"
             elif where == "kernels":
                 kind = "kernel outputs" if op in _ALLOCATION else "wrappers"
