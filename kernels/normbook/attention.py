@@ -15,7 +15,8 @@ are masked for every row of a query tile are not visited at all; :func:`tiles_vi
 counts the tiles each program visits, straight from the kernel.
 
 Backward: :mod:`normbook.attention_backward` (FlashAttention-2, no atomics: bitwise
-reproducible gradients), beside this module; :class:`AttentionFunction` calls it.
+reproducible gradients), beside this module; the operator
+``torch.ops.normbook.attention_backward`` calls it.
 When a gradient will be needed, the forward also saves the log-sum-exp of each row,
 ``L = m + log l`` (natural log, fp32; ``+inf`` for a row that sees no key), from which
 the backward recomputes the probabilities tile by tile instead of storing them.
@@ -51,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _validate
+from . import _library, _validate
 from ._config import LAUNCH, _capability, tile_config
 from ._runtime import INTERPRET, device_guard
 from ._triton_utils import round_to, tanh
@@ -432,27 +433,89 @@ def _forward(q, k, v, alignment, scale, window, softcap=None, save_lse=False):
     return out, visited, lse
 
 
-class AttentionFunction(torch.autograd.Function):
-    """``attention`` with its Triton backward: saves q, k, v, the output O and the
-    per-row log-sum-exp L (fp32), never the probabilities."""
+# torch.ops.normbook.attention and its backward (the pattern: normbook._library).
 
-    @staticmethod
-    def forward(ctx, q, k, v, alignment, scale, window, softcap):
-        out, _, lse = _forward(
-            q, k, v, alignment, scale, window, softcap, save_lse=True
-        )
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (alignment, scale, window, softcap)
-        return out
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, do):
-        q, k, v, out, lse = ctx.saved_tensors
-        grads = _backward(
-            do, q, k, v, out, lse, *ctx.args, needs=ctx.needs_input_grad[:3]
-        )
-        return (*grads, None, None, None, None)
+@torch.library.custom_op("normbook::attention", mutates_args=())
+def _op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    alignment: str | None,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+    save_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.normbook.attention``: (output, L); L, the per-row log-sum-exp the
+    backward reads (fp32, (batch, heads, seq_q)), only when ``save_lse`` (else
+    empty)."""
+    out, _, lse = _forward(q, k, v, alignment, scale, window, softcap, save_lse)
+    return out, lse if save_lse else q.new_empty(0, dtype=torch.float32)
+
+
+@_op.register_fake
+def _(q, k, v, alignment, scale, window, softcap, save_lse):
+    lse_shape = q.shape[:3] if save_lse else (0,)
+    return _library.fresh(q), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("normbook::attention_backward", mutates_args=())
+def _op_backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    alignment: str | None,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+    need_dq: bool,
+    need_dkv: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch.ops.normbook.attention_backward``: (dq, dk, dv), each
+    :func:`~normbook._library.not_computed` where not asked for (dk and dv go
+    together: one kernel writes both)."""
+    needs = (need_dq, need_dkv, need_dkv)
+    grads = _backward(
+        do, q, k, v, out, lse, alignment, scale, window, softcap, needs=needs
+    )
+    return tuple(_library.not_computed(q) if g is None else g for g in grads)
+
+
+@_op_backward.register_fake
+def _(do, q, k, v, out, lse, alignment, scale, window, softcap, need_dq, need_dkv):
+    def grad(t, needed):
+        return _library.fresh(t) if needed else _library.not_computed(q)
+
+    return grad(q, need_dq), grad(k, need_dkv), grad(v, need_dkv)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, alignment, scale, window, softcap, _ = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.args = (alignment, scale, window, softcap)
+
+
+def _autograd_backward(ctx, do, _):
+    q, k, v, out, lse = ctx.saved_tensors
+    need_q, need_k, need_v = ctx.needs_input_grad[:3]
+    dq, dk, dv = torch.ops.normbook.attention_backward(
+        do, q, k, v, out, lse, *ctx.args, need_q, need_k or need_v
+    )
+    return (
+        dq if need_q else None,
+        dk if need_k else None,
+        dv if need_v else None,
+        *(None,) * 5,
+    )
+
+
+_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None):
@@ -481,19 +544,19 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None):
     multiplying ``v`` (as FlashAttention does). A query row that sees no key returns
     zeros.
 
-    Differentiable in q, k and v (FlashAttention-2 backward, see
-    :class:`AttentionFunction`): the forward then also saves the per-row log-sum-exp (4
-    bytes a query row); the gradients are computed without atomics and are bitwise
-    reproducible from run to run. dk and dv sum the group's q heads in a fixed order; a
-    fully masked row contributes zero gradients.
+    Differentiable in q, k and v (FlashAttention-2 backward, the operator
+    ``torch.ops.normbook.attention_backward``): the forward then also saves the per-row
+    log-sum-exp (4 bytes a query row); the gradients are computed without atomics and
+    are bitwise reproducible from run to run. dk and dv sum the group's q heads in a
+    fixed order; a fully masked row contributes zero gradients.
 
     Raises:
         TypeError / ValueError naming the bad argument, before any launch.
     """
     args = _check(q, k, v, causal, scale, window, softcap)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return AttentionFunction.apply(q, k, v, *args)
-    return _forward(q, k, v, *args)[0]
+    # L is saved only when a gradient will be needed
+    save_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    return torch.ops.normbook.attention(q, k, v, *args, save_lse)[0]
 
 
 def tiles_visited(q, k, v, *, causal=False, scale=None, window=None, softcap=None):

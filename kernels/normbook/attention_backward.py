@@ -1,5 +1,5 @@
 r"""The backward of :func:`normbook.attention`: the kernels behind
-:class:`normbook.attention.AttentionFunction`, their tiles and launcher.
+the operator ``torch.ops.normbook.attention``, their tiles and launcher.
 
 Apart from the forward (:mod:`normbook.attention`) so that each module stays short; it
 imports nothing from it. What both use (``LOG2E``, the forward's ``tile_config``, which

@@ -41,6 +41,7 @@ import numbers
 import torch
 import triton
 
+from . import _library
 from ._config import _capability, tile_config
 from .attention import _check_options, _check_tensors, _launch_forward
 from .attention_backward import _launch_backward
@@ -180,30 +181,102 @@ def _backward(do, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k,
     return dq, dk, dv
 
 
-class AttentionVarlenFunction(torch.autograd.Function):
-    """``attention_varlen`` with its Triton backward: checks cu_seqlens' values, then
-    saves q, k, v, the output O, the per-row log-sum-exp L (fp32) and the int32
-    cu_seqlens, never the probabilities."""
+# torch.ops.normbook.attention_varlen and its backward (the pattern: normbook._library).
 
-    @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, alignment, scale, window,
-                softcap):  # fmt: skip
-        cu_q, cu_k = _check_cu_seqlens(cu_q, cu_k, max_q, max_k, q.shape[0], k.shape[0])
-        out, _, lse = _forward(
-            q, k, v, cu_q, cu_k, max_q, max_k, alignment, scale, window, softcap, True
-        )
-        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-        ctx.args = (max_q, max_k, alignment, scale, window, softcap)
-        return out
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, do):
-        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        grads = _backward(
-            do, q, k, v, out, lse, cu_q, cu_k, *ctx.args, needs=ctx.needs_input_grad[:3]
-        )
-        return (*grads, *(None,) * 8)
+@torch.library.custom_op("normbook::attention_varlen", mutates_args=())
+def _op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    alignment: str | None,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+    save_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.normbook.attention_varlen``: cu_seqlens' values checked (a host
+    read, so here and not in the public function, which fake tensors also run), then
+    (output, L); L (fp32, (heads, total_q)) only when ``save_lse`` (else empty)."""
+    lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    cu_q, cu_k = _check_cu_seqlens(*lengths, q.shape[0], k.shape[0])
+    out, _, lse = _forward(
+        q, k, v, cu_q, cu_k, *lengths[2:], alignment, scale, window, softcap, save_lse
+    )
+    return out, lse if save_lse else q.new_empty(0, dtype=torch.float32)
+
+
+@_op.register_fake
+def _(q, k, v, cu_q, cu_k, max_q, max_k, alignment, scale, window, softcap, save_lse):
+    lse_shape = (q.shape[1], q.shape[0]) if save_lse else (0,)
+    return _library.fresh(q), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("normbook::attention_varlen_backward", mutates_args=())
+def _op_backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    alignment: str | None,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+    need_dq: bool,
+    need_dkv: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch.ops.normbook.attention_varlen_backward``: (dq, dk, dv) in the packed
+    layout, :func:`~normbook._library.not_computed` where not asked for."""
+    cu_q, cu_k = (c.to(torch.int32).contiguous() for c in (cu_seqlens_q, cu_seqlens_k))
+    grads = _backward(
+        do, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, alignment,
+        scale, window, softcap, needs=(need_dq, need_dkv, need_dkv),
+    )  # fmt: skip
+    return tuple(_library.not_computed(q) if g is None else g for g in grads)
+
+
+@_op_backward.register_fake
+def _(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, alignment, scale, window,
+      softcap, need_dq, need_dkv):  # fmt: skip
+    def grad(t, needed):
+        return _library.fresh(t) if needed else _library.not_computed(q)
+
+    return grad(q, need_dq), grad(k, need_dkv), grad(v, need_dkv)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, *args, _ = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.args = tuple(args)  # max_seqlen_q, max_seqlen_k, alignment, scale, ...
+
+
+def _autograd_backward(ctx, do, _):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    need_q, need_k, need_v = ctx.needs_input_grad[:3]
+    dq, dk, dv = torch.ops.normbook.attention_varlen_backward(
+        do, q, k, v, out, lse, cu_q, cu_k, *ctx.args, need_q, need_k or need_v
+    )
+    return (
+        dq if need_q else None,
+        dk if need_k else None,
+        dv if need_v else None,
+        *(None,) * 9,
+    )
+
+
+_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 def attention_varlen(
@@ -255,7 +328,7 @@ def attention_varlen(
         scale, window, softcap,
     )  # fmt: skip
     lengths = (cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return AttentionVarlenFunction.apply(q, k, v, *lengths, *args)
-    cu_q, cu_k = _check_cu_seqlens(*lengths, q.shape[0], k.shape[0])
-    return _forward(q, k, v, cu_q, cu_k, *lengths[2:], *args)[0]
+    # L is saved only when a gradient will be needed
+    save_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    op = torch.ops.normbook.attention_varlen
+    return op(q, k, v, *lengths, *args, save_lse)[0]

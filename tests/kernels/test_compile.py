@@ -20,7 +20,7 @@ What is checked, for every spec of ``normbook.lab.specs`` at its tiny inputs:
   the eager call's outputs and gradients bit for bit (the same kernels on the same
   inputs), and ``torch._dynamo.explain`` counts no graph break.
 
-``attention`` is not an operator yet (:data:`NOT_YET`).
+Every kernel is an operator (:data:`NOT_YET` would name one that is not).
 """
 
 import inspect
@@ -36,7 +36,7 @@ from normbook.lab.kernel_spec import Make, tiny_inputs
 from normbook.lab.specs import SPECS
 
 #: Kernels not registered as operators yet. Strict: once one is, remove it from here.
-NOT_YET = {"attention"}
+NOT_YET: set[str] = set()
 
 #: Keywords that make a random kernel draw (and draw reproducibly: an int seed).
 DRAWS = {
@@ -78,13 +78,20 @@ def _loss(outs):
 def _run(fn, inputs, kwargs, differentiable):
     """Outputs and, for a differentiable call, the inputs' gradients, both detached."""
     leaves = {
-        k: v.detach().clone().requires_grad_(v.requires_grad) for k, v in inputs.items()
+        k: v.detach().clone().requires_grad_(v.requires_grad)
+        if torch.is_tensor(v)
+        else v
+        for k, v in inputs.items()
     }
     outs = _outputs(fn(**leaves, **kwargs))
     grads = []
     if differentiable:
         _loss(outs).backward()
-        grads = [leaves[k].grad for k in sorted(leaves) if leaves[k].requires_grad]
+        grads = [
+            leaves[k].grad
+            for k in sorted(leaves)
+            if torch.is_tensor(leaves[k]) and leaves[k].requires_grad
+        ]
     return [o.detach() for o in outs], grads
 
 

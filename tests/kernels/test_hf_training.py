@@ -200,3 +200,53 @@ def test_ddp_with_gloo_on_two_processes_equals_one_process(tmp_path):
     grads = torch.load(tmp_path / "grads.pt")
     for n, p in model.named_parameters():
         assert _rel(grads[n].to(p.device), p.grad) <= 1e-5, n
+
+
+def test_torch_compile_fullgraph_patched_qwen3_forward_and_backward():
+    """``torch.compile(patched, fullgraph=True, backend="aot_eager")``: a training step
+    (forward with labels, the fused loss, backward) compiles as one graph (it failed with
+    Triton's interpreter traced: ``KeyError(torch.uint64)``) and gives the eager patched
+    model's loss and gradients bit for bit (the same kernels, as operators); one layer
+    has no graph break (``torch._dynamo.explain``)."""
+    patched = hf.patch(qwen3()).train()
+    ids = _ids()
+    patched(ids, labels=ids).loss.backward()
+    eager = {n: p.grad.clone() for n, p in patched.named_parameters()}
+    eager_loss = patched(ids, labels=ids).loss.detach()
+    patched.zero_grad()
+    torch._dynamo.reset()
+    compiled = torch.compile(patched, fullgraph=True, backend="aot_eager")
+    loss = compiled(ids, labels=ids).loss
+    loss.backward()
+    assert torch.equal(loss.detach(), eager_loss)
+    for n, p in patched.named_parameters():
+        assert torch.equal(p.grad, eager[n]), n
+    layer, captured = patched.model.layers[0], {}
+    hook = layer.register_forward_pre_hook(
+        lambda mod, a, k: captured.update(a=a, k=k), with_kwargs=True
+    )
+    with torch.no_grad():
+        patched(ids)
+    hook.remove()
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(layer)(*captured["a"], **captured["k"])
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+
+
+def test_torch_compile_padded_batch_breaks_the_graph_at_the_mask_only():
+    """A padded batch's mask is read on the host (a data-dependent step): ``fullgraph``
+    refuses it with dynamo's error, and without ``fullgraph`` the compiled model gives
+    the eager model's logits bit for bit."""
+    model = hf.patch(qwen3()).eval()
+    ids = _ids()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding in the first row
+    torch._dynamo.reset()
+    with torch.no_grad():
+        with pytest.raises(Exception, match="data-dependent"):
+            torch.compile(model, fullgraph=True, backend="aot_eager")(
+                ids, attention_mask=mask
+            )
+        torch._dynamo.reset()
+        got = torch.compile(model, backend="aot_eager")(ids, attention_mask=mask)
+        assert torch.equal(got.logits, model(ids, attention_mask=mask).logits)

@@ -50,15 +50,21 @@ as by transformers' own; under ``torch.autocast`` every kernel computes in the d
 the module's own code would produce there (a norm's ``weight * x̂`` promoted to fp32,
 the projections' and attention's inputs in autocast's dtype, the loss from logits
 rounded to it); a patched model can be deep-copied, pickled and saved whole with
-``torch.save`` (it loads patched).
+``torch.save`` (it loads patched). ``torch.compile(model, fullgraph=True)`` traces a
+patched model whole: every kernel is a PyTorch operator (``torch.ops.normbook``), and
+the forwards read signatures and masks at trace time only (tested with the
+``aot_eager`` backend on the CPU, forward and backward). A padded batch's mask is read
+on the host: ``fullgraph=True`` refuses that data-dependent step, and without it the
+graph breaks there and the result is eager's.
 
 Not patched, and why: Gemma 2's and 3's MLPs (GELU-tanh, a GeGLU: no kernel here); a
 model whose config sets ``final_logit_softcapping`` (Gemma 2's default) computes its
 loss on transformers' code (the attention's ``attn_logit_softcapping`` runs on the
-kernels' ``softcap``, dense and varlen); the MoE causal LMs' loss (their output, ``MoeCausalLMOutputWithPast``, carries
-the router's auxiliary loss: the fused loss is not written for it); a Phi3 layer in
-training with ``resid_pdrop > 0`` (its dropout sits between the branch and the add,
-so the layer is transformers', its norms, attention and MLP still patched); so does
+kernels' ``softcap``, dense and varlen); the MoE causal LMs' loss (their output,
+``MoeCausalLMOutputWithPast``, carries the router's auxiliary loss: the fused loss is
+not written for it); a Phi3 layer in training with ``resid_pdrop > 0`` (its dropout
+sits between the branch and the add, so the layer is transformers', its norms,
+attention and MLP still patched); so does
 attention with dropout in training or
 ``output_attentions`` (silently: the results are the same), and attention under a mask
 the kernels do not compute (see Masks).

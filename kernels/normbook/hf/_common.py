@@ -30,18 +30,35 @@ def _pop_cache(cache, kwargs):
     return cache
 
 
-@functools.cache
+# Signatures are read once per function (or cache class), and under torch.compile at
+# trace time only: assume_constant_result makes each answer a constant of the graph.
+_PARAMETERS: dict = {}
+
+
+def _parameters(fn) -> tuple:
+    if fn not in _PARAMETERS:
+        _PARAMETERS[fn] = tuple(inspect.signature(fn).parameters)
+    return _PARAMETERS[fn]
+
+
+@torch.compiler.assume_constant_result
 def _cache_name(fn) -> str:
     """The name under which ``fn`` (a transformers forward) takes the KV cache."""
-    params = inspect.signature(fn).parameters
+    params = _parameters(fn)
     return next(
         (n for n in ("cache", "past_key_values", "past_key_value") if n in params),
         "cache",
     )
 
 
+@torch.compiler.assume_constant_result
+def _update_takes_kwargs(cache_cls) -> bool:
+    """Whether the cache class's ``update`` takes ``kwargs`` (transformers 5.x)."""
+    return "kwargs" in _parameters(cache_cls.update)
+
+
 def _cache_update(cache, key_states, value_states, layer_idx, cos, sin, kwargs):
-    if "kwargs" in inspect.signature(cache.update).parameters:  # transformers 5.x
+    if _update_takes_kwargs(type(cache)):  # transformers 5.x
         return cache.update(key_states, value_states, layer_idx, kwargs=kwargs)
     # transformers 4.5x: the cache kwargs are a dict argument.
     cache_kwargs = {
