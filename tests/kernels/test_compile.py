@@ -16,7 +16,8 @@ What is checked, for every spec of ``normbook.lab.specs`` at its tiny inputs:
   static and dynamic shapes. Tiny inputs: opcheck runs each operator about ten times,
   and the interpreter runs one program at a time; three rows of eight (a head of 128
   where the kernel needs one) fill one program of every kernel.
-* ``torch.compile(fullgraph=True)`` with the ``eager`` and ``aot_eager`` backends gives
+* ``torch.compile(fullgraph=True)`` with the ``eager`` and ``aot_eager`` backends (and
+  ``inductor`` on a GPU) gives
   the eager call's outputs and gradients bit for bit (the same kernels on the same
   inputs), and ``torch._dynamo.explain`` counts no graph break.
 
@@ -37,6 +38,10 @@ from normbook.lab.specs import SPECS
 
 #: Kernels not registered as operators yet. Strict: once one is, remove it from here.
 NOT_YET: set[str] = set()
+
+#: torch.compile's backends checked: inductor on a GPU only (on the CPU it compiles C++
+#: for every graph: a minute a call here), so it runs on the GPU day's kernel tests.
+BACKENDS = ["eager", "aot_eager"] + (["inductor"] if normbook.HAS_CUDA else [])
 
 #: Keywords that make a random kernel draw (and draw reproducibly: an int seed).
 DRAWS = {
@@ -166,7 +171,7 @@ def test_opcheck(spec):
 # ---------------------------------------------------------------- torch.compile
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("spec", CASES, ids=lambda s: s.name)
 def test_compiled_equals_eager(spec, backend):
     fn, inputs, kwargs = _call(spec)
