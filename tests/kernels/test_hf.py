@@ -37,6 +37,7 @@ from normbook.lab import op_count
 
 transformers = pytest.importorskip("transformers")
 hf = pytest.importorskip("normbook.hf")
+from hf_helpers import count_kernels  # noqa: E402
 from transformers import (  # noqa: E402
     Gemma3ForCausalLM,
     Gemma3TextConfig,
@@ -157,26 +158,7 @@ def test_the_kernels_really_run(monkeypatch, build, grad):
     """Each kernel is called where it belongs (equality of logits alone would not show it), in
     training too. Attention runs the kernel in training once normbook.attention has a backward
     (probed: until then that one call falls back to transformers' attention)."""
-    calls = {
-        "rms_norm": 0,
-        "fused_add_rms_norm": 0,
-        "qk_norm_rope": 0,
-        "attention": 0,
-        "swiglu": 0,
-        "_linear_cross_entropy": 0,
-    }
-    # each kernel counted where normbook.hf's modules call it
-    for module in (hf._forwards, hf._attention):
-        for name in calls:
-            real = getattr(module, name, None)
-            if real is None:
-                continue
-
-            def counted(*a, _real=real, _name=name, **k):
-                calls[_name] += 1
-                return _real(*a, **k)
-
-            monkeypatch.setattr(module, name, counted)
+    calls = count_kernels(monkeypatch)
     model = hf.patch(build())
     with torch.set_grad_enabled(grad):
         out = model(_ids(), labels=_ids() if grad else None)

@@ -27,6 +27,7 @@ from normbook import DEVICE
 
 transformers = pytest.importorskip("transformers")
 hf = pytest.importorskip("normbook.hf")
+from hf_helpers import count_kernels  # noqa: E402
 from transformers import (  # noqa: E402
     Gemma2Config,
     Gemma2ForCausalLM,
@@ -243,31 +244,7 @@ def test_padded_batch_logits_match_transformers(build):
 # ---------------------------------------------------------------- which kernels run
 
 
-def _count_kernels(monkeypatch):
-    calls = dict.fromkeys(
-        (
-            "rms_norm",
-            "fused_add_rms_norm",
-            "qk_norm_rope",
-            "attention",
-            "swiglu",
-            "_linear_cross_entropy",
-        ),
-        0,
-    )
-    # each kernel counted where normbook.hf's modules call it
-    for module in (hf._forwards, hf._attention, hf._families):
-        for name in calls:
-            real = getattr(module, name, None)
-            if real is None:
-                continue
-
-            def counted(*a, _real=real, _name=name, **k):
-                calls[_name] += 1
-                return _real(*a, **k)
-
-            monkeypatch.setattr(module, name, counted)
-    return calls
+_count_kernels = count_kernels
 
 
 L = LAYERS

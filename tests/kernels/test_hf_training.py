@@ -25,6 +25,8 @@ from test_hf import _ids, _rel, gemma3, llama, qwen3
 from normbook import DEVICE
 
 hf = pytest.importorskip("normbook.hf")
+from hf_helpers import count_kernels  # noqa: E402
+
 SLOW = pytest.mark.slow
 
 BUILDERS = {"qwen3": qwen3, "llama": llama, "gemma3": gemma3}
@@ -72,22 +74,6 @@ def test_gradient_checkpointing_is_honoured(name):
         assert _rel(ours[n], g) <= 1e-5, n
 
 
-def _count_kernels(monkeypatch):
-    calls = {}
-    for module in (hf._forwards, hf._attention, hf._families):
-        for name in ("rms_norm", "fused_add_rms_norm", "qk_norm_rope", "attention"):
-            real = getattr(module, name, None)
-            if real is None:
-                continue
-
-            def counted(*a, _real=real, _name=name, **k):
-                calls[_name] = calls.get(_name, 0) + 1
-                return _real(*a, **k)
-
-            monkeypatch.setattr(module, name, counted)
-    return calls
-
-
 @pytest.mark.parametrize("mode", ["eval", "train"])
 @pytest.mark.parametrize("name", NAMES)
 def test_autocast_bf16_with_fp32_weights(monkeypatch, name, mode):
@@ -100,7 +86,7 @@ def test_autocast_bf16_with_fp32_weights(monkeypatch, name, mode):
     for model in (plain, patched):
         getattr(model, mode)()
     ids = _ids()
-    calls = _count_kernels(monkeypatch)
+    calls = count_kernels(monkeypatch)
     with torch.autocast(ids.device.type, torch.bfloat16):
         want = plain(ids, labels=ids)
         got = patched(ids, labels=ids)
@@ -109,8 +95,8 @@ def test_autocast_bf16_with_fp32_weights(monkeypatch, name, mode):
         1 for m in plain.modules() if type(m).__name__.endswith("Attention")
     )
     # a fused add + norm is one norm; qk_norm_rope would be two (unfused under autocast)
-    ran = calls.get("rms_norm", 0) + calls.get("fused_add_rms_norm", 0)
-    assert ran == norms and calls.get("attention") == attentions, calls
+    ran = calls["rms_norm"] + calls["fused_add_rms_norm"]
+    assert ran == norms and calls["attention"] == attentions, calls
     assert abs(got.loss.item() - want.loss.item()) <= 1e-3 * want.loss.item()
     if mode == "eval":
         assert _rel(got.logits.float(), want.logits.float()) <= 4 * U_BF16
