@@ -284,7 +284,8 @@ def test_double_backward_is_refused():
     q, k, v = qkv(1, 1, 1, 4, 4, 16, torch.float32)
     out = attention(q, k, v)
     (dq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
-    with pytest.raises(RuntimeError, match="differentiate twice|does not require grad"):
+    # the backward is an operator without a backward of its own: PyTorch refuses
+    with pytest.raises(RuntimeError, match="no autograd formula was registered"):
         dq.sum().backward()
 
 
