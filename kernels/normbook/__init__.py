@@ -13,6 +13,7 @@ from .attention import attention
 from .attention_varlen import attention_varlen
 from .cross_entropy import cross_entropy
 from .decode_attention import decode_attention
+from .fp8 import dequantize_fp8, linear_fp8, quantize_fp8
 from .fused_add_rms_norm import fused_add_rms_norm
 from .layer_norm import layer_norm
 from .linear_cross_entropy import linear_cross_entropy
@@ -44,6 +45,9 @@ __all__ = [
     "linear_cross_entropy",
     "decode_attention",
     "speculative_sample",
+    "quantize_fp8",
+    "dequantize_fp8",
+    "linear_fp8",
 ]
 
 
