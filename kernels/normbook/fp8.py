@@ -70,7 +70,7 @@ import triton.language as tl
 
 from . import _validate
 from ._config import LAUNCH, _capability
-from ._runtime import device_guard
+from ._runtime import INTERPRET, device_guard
 from ._triton_utils import round_to
 
 #: fp32's smallest normal number: the floor of every scale (see the docstring)
@@ -114,6 +114,19 @@ IN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # ---------------------------------------------------------------- bits by hand
 
+_INTERPRET = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def _f32(x):
+    """``x`` as fp32, exactly. Triton 3.9's interpreter gets bf16's subnormals wrong
+    in this cast; there the bits move by hand (a bf16 is the top half of an fp32)."""
+    if _INTERPRET and x.dtype == tl.bfloat16:
+        bits = x.to(tl.int16, bitcast=True).to(tl.int32) << 16
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
+
 
 @triton.jit
 def _fp8_bits(v, MBITS: tl.constexpr, BIAS: tl.constexpr):
@@ -153,6 +166,19 @@ def _fp8_value(bits, MBITS: tl.constexpr, BIAS: tl.constexpr, E5M2: tl.constexpr
     else:  # e4m3fn: S.1111.111 is NaN; there is no Inf
         v = tl.where(mag == 0x7F, float("nan"), v)
     return tl.where(bits >= 0x80, -v, v)
+
+
+@triton.jit
+def _store(ptrs, y, mask):
+    """Store fp32 ``y`` rounded to the pointers' dtype. The interpreter's fp32 -> bf16
+    cast truncates and flushes bf16's subnormals to zero: there the rounded bits are
+    stored as uint16 (round_to's arithmetic, NaN as PyTorch writes it)."""
+    if _INTERPRET and ptrs.dtype.element_ty == tl.bfloat16:
+        bits = y.to(tl.uint32, bitcast=True)
+        bits = tl.where(y != y, 0x7FC0, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
+        tl.store(ptrs.to(tl.pointer_type(tl.uint16)), bits.to(tl.uint16), mask=mask)
+    else:
+        tl.store(ptrs, round_to(y, ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -200,7 +226,7 @@ def _quantize_fp8_kernel(
         rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
         r = rows[:, None]
         mask = r < M
-        x = tl.load(X + r * stride_x + c, mask=mask, other=0.0).to(tl.float32)
+        x = _f32(tl.load(X + r * stride_x + c, mask=mask, other=0.0))
         finite = tl.abs(x) < float("inf")  # False for NaN too
         amax = tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1)
         bad = tl.max(tl.where(finite, 0, 1), axis=1) > 0
@@ -216,14 +242,14 @@ def _quantize_fp8_kernel(
         bad = tl.zeros((), tl.int32)
         for i in range(0, BM, ROWS):
             r = (first + i + tl.arange(0, ROWS))[:, None]
-            x = tl.load(X + r * stride_x + c).to(tl.float32)
+            x = _f32(tl.load(X + r * stride_x + c))
             finite = tl.abs(x) < float("inf")
             amax = tl.maximum(amax, tl.max(tl.where(finite, tl.abs(x), 0.0)))
             bad = tl.maximum(bad, tl.max(tl.where(finite, 0, 1)))
         s = _scale(amax, bad > 0, FMAX)
         for i in range(0, BM, ROWS):
             r = (first + i + tl.arange(0, ROWS))[:, None]
-            x = tl.load(X + r * stride_x + c).to(tl.float32)
+            x = _f32(tl.load(X + r * stride_x + c))
             tl.store(Q + r * stride_q + c, _quantized(x, s, bad > 0, FMAX, MBITS, BIAS))
         tl.store(S + tl.program_id(0) * stride_s + kb, s)
 
@@ -253,7 +279,7 @@ def _dequantize_fp8_kernel(
     s = tl.load(S + (rows // BM) * stride_s + kb, mask=rows < M, other=1.0)
     # q·s: q has 4 significant bits, s 24: one fp32 rounding, then one to Y's dtype
     y = _fp8_value(bits, MBITS, BIAS, E5M2, SUB) * s[:, None]
-    tl.store(Y + r * stride_y + c, round_to(y, Y.dtype.element_ty), mask=mask)
+    _store(Y + r * stride_y + c, y, mask)
 
 
 @triton.jit
@@ -313,9 +339,7 @@ def _linear_fp8_kernel(
         acc += (p * sx[:, None]) * sw[None, :]
         xs += BLOCK_K
         ws += BLOCK_K
-    mask = in_m[:, None] & in_n[None, :]
-    y = round_to(acc, Y.dtype.element_ty)
-    tl.store(Y + rm[:, None] * stride_y + rn[None, :], y, mask=mask)
+    _store(Y + rm[:, None] * stride_y + rn[None, :], acc, in_m[:, None] & in_n[None, :])
 
 
 # ---------------------------------------------------------------- launch plans
@@ -531,7 +555,7 @@ def _check_block(block, name: str) -> tuple[int, int]:
     try:
         b = tuple(int(v) for v in block)
         ok = b in BLOCKS and all(not isinstance(v, bool) for v in block)
-    except TypeError:
+    except (TypeError, ValueError):
         ok = False
     if not ok:
         raise ValueError(f"{name} must be (1, 128) or (128, 128), got {block!r}")

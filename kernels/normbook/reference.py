@@ -617,3 +617,63 @@ def speculative_residual(p, q):
     r = (p - q).clamp(min=0.0)
     total = r.sum(-1, keepdim=True)
     return torch.where(total > 0, r / torch.where(total > 0, total, 1.0), p)
+
+
+# ---------------------------------------------------------------- fp8, block scales
+
+#: (mantissa bits m, smallest normal exponent e_min) of each fp8 dtype
+FP8 = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
+#: half the smallest (subnormal) spacing of each output dtype: the floor of a rounding
+UNDERFLOW = {
+    torch.float32: 2.0**-150,
+    torch.float16: 2.0**-25,
+    torch.bfloat16: 2.0**-134,
+}
+
+
+def fp8_blocks(s, block, shape):
+    r"""A per-block tensor (M/bm, K/bk) spread over its blocks' elements: (M, K)."""
+    s = _d(s).repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    return s[: shape[0], : shape[1]]
+
+
+def dequantize_fp8(q, scale, block=(1, 128)):
+    r"""x̃ = q · s_b: each fp8 value times its block's scale (exact in float64)."""
+    return _d(q.float()) * fp8_blocks(scale, block, q.shape)
+
+
+def fp8_round_trip_bound(x, scale, dtype, block=(1, 128)):
+    r"""|x − q·s| ≤ s · h(x/s) + 2^-23 |x|: h(v) = 2^(max(⌊log2|v|⌋, e_min) − m − 1) is
+    half the fp8 spacing at |v| (nearest rounding), 2^-(m+1) = 2^-4 (e4m3) or 2^-3
+    (e5m2) of |v| above the subnormal range, 2^(e_min − m − 1) below; the second term
+    is the fp32 division's rounding of x/s."""
+    m, e_min = FP8[dtype]
+    s = fp8_blocks(scale, block, x.shape)
+    v = (_d(x) / s).abs()
+    e = torch.floor(torch.log2(v)).clamp(min=e_min)  # log2(0) = -inf: e_min
+    return s * torch.exp2(e - m - 1) + 2.0**-23 * _d(x).abs()
+
+
+def linear_fp8(x_q, x_scale, w_q, w_scale, block_x=(1, 128), block_w=(128, 128)):
+    r"""y = x̃ w̃ᵀ of the dequantized operands, in float64."""
+    return dequantize_fp8(x_q, x_scale, block_x) @ (
+        dequantize_fp8(w_q, w_scale, block_w).T
+    )
+
+
+def _gamma(n, u):
+    return n * u / (1 - n * u)
+
+
+def linear_fp8_bound(x_q, x_scale, w_q, w_scale, out_dtype, u_acc=2.0**-24, **blocks):
+    r"""|ŷ − y| for ``normbook.linear_fp8``, elementwise. Per 128-block of K the
+    products of fp8 values are exact and their sum errs by γ_127(u_acc) Σ|x̃||w̃|
+    (u_acc: the accumulation's unit roundoff, 2^-24 for fp32); (p·sx)·sw rounds twice
+    and the K/128 promoted terms are summed in fp32: γ_{K/128 + 1}, u = 2^-24. Then
+    one rounding to out_dtype: u_out |ỹ| plus half its smallest spacing."""
+    bx, bw = blocks.get("block_x", (1, 128)), blocks.get("block_w", (128, 128))
+    x, w = dequantize_fp8(x_q, x_scale, bx), dequantize_fp8(w_q, w_scale, bw)
+    y, absolute = x @ w.T, x.abs() @ w.abs().T
+    g = (1 + _gamma(127, u_acc)) * (1 + _gamma(x.shape[1] // 128 + 1, 2.0**-24)) - 1
+    u_out = torch.finfo(out_dtype).eps / 2
+    return g * absolute + u_out * (y.abs() + g * absolute) + UNDERFLOW[out_dtype]
