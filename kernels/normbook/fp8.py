@@ -62,8 +62,6 @@ The tiles are a function of the GPU and the formats only, never of M: a row's bi
 not depend on its batch (batch invariance).
 """
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -73,8 +71,6 @@ from ._config import LAUNCH, _capability
 from ._runtime import INTERPRET, device_guard
 from ._triton_utils import round_to
 
-#: fp32's smallest normal number: the floor of every scale (see the docstring)
-SCALE_FLOOR = 2.0**-126
 #: The K extent of a scale block: the GEMM's K loop steps by it.
 BLOCK_K = 128
 BLOCKS = ((1, 128), (128, 128))
@@ -82,33 +78,9 @@ BLOCKS = ((1, 128), (128, 128))
 ROWS = 32
 
 
-@dataclass(frozen=True)
-class Format:
-    """An fp8 format: its torch dtype, mantissa bits, exponent bias and largest
-    value."""
-
-    dtype: torch.dtype
-    mbits: int
-    bias: int
-    fmax: float
-
-    @property
-    def constexprs(self) -> dict:
-        # SUB: the subnormal spacing 2^(1 - bias - mbits); MAGIC: the fp32 number
-        # whose spacing it is (2^(23 + 1 - bias - mbits))
-        return {
-            "MBITS": self.mbits,
-            "BIAS": self.bias,
-            "E5M2": self.mbits == 2,
-            "SUB": 2.0 ** (1 - self.bias - self.mbits),
-        }
-
-
-FORMATS = {
-    "e4m3": Format(torch.float8_e4m3fn, 3, 7, 448.0),
-    "e5m2": Format(torch.float8_e5m2, 2, 15, 57344.0),
-}
-BY_DTYPE = {f.dtype: name for name, f in FORMATS.items()}
+#: fmt -> (its torch dtype, its largest value fmax); the kernels' E5M2 constexpr
+FORMATS = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}
+BY_DTYPE = {dtype: name for name, (dtype, _) in FORMATS.items()}
 IN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -129,9 +101,11 @@ def _f32(x):
 
 
 @triton.jit
-def _fp8_bits(v, MBITS: tl.constexpr, BIAS: tl.constexpr):
+def _fp8_bits(v, E5M2: tl.constexpr):
     """The fp8 bits (int32, 0..255) of finite fp32 ``v`` with |v| <= fmax, rounded to
     nearest-even as PyTorch (c10) rounds: no fp8 cast is involved."""
+    MBITS: tl.constexpr = 2 if E5M2 else 3  # mantissa bits
+    BIAS: tl.constexpr = 15 if E5M2 else 7  # exponent bias
     bits = v.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
     mag = bits & 0x7FFFFFFF
@@ -151,9 +125,11 @@ def _fp8_bits(v, MBITS: tl.constexpr, BIAS: tl.constexpr):
 
 
 @triton.jit
-def _fp8_value(bits, MBITS: tl.constexpr, BIAS: tl.constexpr, E5M2: tl.constexpr,
-               SUB: tl.constexpr):  # fmt: skip
+def _fp8_value(bits, E5M2: tl.constexpr):
     """The fp32 value of fp8 ``bits`` (int32, 0..255), exactly, NaN and Inf too."""
+    MBITS: tl.constexpr = 2 if E5M2 else 3
+    BIAS: tl.constexpr = 15 if E5M2 else 7
+    SUB: tl.constexpr = 2.0**-16 if E5M2 else 2.0**-9  # the subnormal spacing
     mag = bits & 0x7F
     # normal: the exponent and mantissa fields moved into fp32's, rebiased
     normal = ((mag << (23 - MBITS)) + ((127 - BIAS) << 23)).to(tl.float32, bitcast=True)
@@ -191,13 +167,12 @@ def _scale(amax, bad, FMAX: tl.constexpr):
 
 
 @triton.jit
-def _quantized(x, s, bad, FMAX: tl.constexpr, MBITS: tl.constexpr,
-               BIAS: tl.constexpr):  # fmt: skip
+def _quantized(x, s, bad, FMAX: tl.constexpr, E5M2: tl.constexpr):
     """The fp8 bits of x / s (correctly rounded division, then the cast); 0x7F (NaN)
     where the block is not finite."""
     v = tl.math.div_rn(x, s)
     v = tl.minimum(tl.maximum(v, -FMAX), FMAX)  # a no-op: see the docstring
-    return tl.where(bad, 0x7F, _fp8_bits(v, MBITS, BIAS)).to(tl.uint8)
+    return tl.where(bad, 0x7F, _fp8_bits(v, E5M2)).to(tl.uint8)
 
 
 # ---------------------------------------------------------------- the kernels
@@ -213,8 +188,7 @@ def _quantize_fp8_kernel(
     stride_s,  # row strides in elements (columns contiguous)
     M,
     FMAX: tl.constexpr,
-    MBITS: tl.constexpr,
-    BIAS: tl.constexpr,
+    E5M2: tl.constexpr,  # e5m2, else e4m3
     BM: tl.constexpr,  # block rows: 1 or 128
     BK: tl.constexpr,  # block columns: 128
     ROWS: tl.constexpr,  # rows a program holds at once
@@ -231,7 +205,7 @@ def _quantize_fp8_kernel(
         amax = tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1)
         bad = tl.max(tl.where(finite, 0, 1), axis=1) > 0
         s = _scale(amax, bad, FMAX)
-        q = _quantized(x, s[:, None], bad[:, None], FMAX, MBITS, BIAS)
+        q = _quantized(x, s[:, None], bad[:, None], FMAX, E5M2)
         tl.store(Q + r * stride_q + c, q, mask=mask)
         tl.store(S + rows * stride_s + kb, s, mask=rows < M)
     else:
@@ -250,7 +224,7 @@ def _quantize_fp8_kernel(
         for i in range(0, BM, ROWS):
             r = (first + i + tl.arange(0, ROWS))[:, None]
             x = _f32(tl.load(X + r * stride_x + c))
-            tl.store(Q + r * stride_q + c, _quantized(x, s, bad > 0, FMAX, MBITS, BIAS))
+            tl.store(Q + r * stride_q + c, _quantized(x, s, bad > 0, FMAX, E5M2))
         tl.store(S + tl.program_id(0) * stride_s + kb, s)
 
 
@@ -263,10 +237,7 @@ def _dequantize_fp8_kernel(
     stride_s,
     stride_y,
     M,
-    MBITS: tl.constexpr,
-    BIAS: tl.constexpr,
     E5M2: tl.constexpr,
-    SUB: tl.constexpr,
     BM: tl.constexpr,
     BK: tl.constexpr,
     ROWS: tl.constexpr,
@@ -278,7 +249,7 @@ def _dequantize_fp8_kernel(
     bits = tl.load(Q + r * stride_q + c, mask=mask, other=0).to(tl.int32)
     s = tl.load(S + (rows // BM) * stride_s + kb, mask=rows < M, other=1.0)
     # q·s: q has 4 significant bits, s 24: one fp32 rounding, then one to Y's dtype
-    y = _fp8_value(bits, MBITS, BIAS, E5M2, SUB) * s[:, None]
+    y = _fp8_value(bits, E5M2) * s[:, None]
     _store(Y + r * stride_y + c, y, mask)
 
 
@@ -300,14 +271,8 @@ def _linear_fp8_kernel(
     BMX: tl.constexpr,  # rows of an x scale block: 1 or 128
     BNW: tl.constexpr,  # rows of a w scale block: 128 or 1
     NATIVE: tl.constexpr,  # fp8 operands into tl.dot; else decoded to fp16
-    X_MBITS: tl.constexpr,
-    X_BIAS: tl.constexpr,
-    X_E5M2: tl.constexpr,
-    X_SUB: tl.constexpr,
-    W_MBITS: tl.constexpr,
-    W_BIAS: tl.constexpr,
+    X_E5M2: tl.constexpr,  # the operands' formats (the decoded path)
     W_E5M2: tl.constexpr,
-    W_SUB: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # one scale block: 128
@@ -330,8 +295,8 @@ def _linear_fp8_kernel(
             # the bits, decoded exactly to fp16 (see the docstring)
             a = tl.load(xs, mask=in_m[:, None], other=0).to(tl.int32)
             b = tl.load(ws, mask=in_n[None, :], other=0).to(tl.int32)
-            a = _fp8_value(a, X_MBITS, X_BIAS, X_E5M2, X_SUB)
-            b = _fp8_value(b, W_MBITS, W_BIAS, W_E5M2, W_SUB)
+            a = _fp8_value(a, X_E5M2)
+            b = _fp8_value(b, W_E5M2)
             p = tl.dot(a.to(tl.float16), b.to(tl.float16), out_dtype=tl.float32)
         sx = tl.load(sxs + kb, mask=in_m, other=0.0)
         sw = tl.load(sws + kb, mask=in_n, other=0.0)
@@ -379,8 +344,8 @@ def _row_tile(M: int) -> int:
 def _forward(x2d: torch.Tensor, bm: int, bk: int, fmt: str):
     """(q, scale) of ``x2d`` (M, K), blocks (bm, bk), in format ``fmt``."""
     M, K = x2d.shape
-    f = FORMATS[fmt]
-    q = torch.empty((M, K), dtype=f.dtype, device=x2d.device)
+    dtype, fmax = FORMATS[fmt]
+    q = torch.empty((M, K), dtype=dtype, device=x2d.device)
     s = torch.empty((M // bm, K // bk), dtype=torch.float32, device=x2d.device)
     if q.numel() == 0:
         return q, s
@@ -396,9 +361,8 @@ def _forward(x2d: torch.Tensor, bm: int, bk: int, fmt: str):
             bits.stride(0),
             s.stride(0),
             M,
-            FMAX=f.fmax,
-            MBITS=f.mbits,
-            BIAS=f.bias,
+            FMAX=fmax,
+            E5M2=fmt == "e5m2",
             BM=bm,
             BK=bk,
             ROWS=rows,
@@ -424,7 +388,7 @@ def _dequantize(q: torch.Tensor, s: torch.Tensor, bm: int, bk: int, out_dtype):
             s.stride(0),
             y.stride(0),
             M,
-            **FORMATS[BY_DTYPE[q.dtype]].constexprs,
+            E5M2=q.dtype == torch.float8_e5m2,
             BM=bm,
             BK=bk,
             ROWS=rows,
@@ -443,7 +407,6 @@ def _linear(x_q, x_s, w_q, w_s, out_dtype, bmx: int, bnw: int):
         return y.zero_()
     native = native_fp8_dot(x_q)
     block_m, block_n, warps, stages = linear_config(native, _capability(x_q))
-    fx, fw = (FORMATS[BY_DTYPE[t.dtype]] for t in (x_q, w_q))
     # the decoded path reads the bits: no fp8 type reaches the compiler
     a, b = (x_q, w_q) if native else (x_q.view(torch.uint8), w_q.view(torch.uint8))
     with device_guard(x_q):
@@ -464,8 +427,8 @@ def _linear(x_q, x_s, w_q, w_s, out_dtype, bmx: int, bnw: int):
             BMX=bmx,
             BNW=bnw,
             NATIVE=native,
-            **{f"X_{k}": v for k, v in fx.constexprs.items()},
-            **{f"W_{k}": v for k, v in fw.constexprs.items()},
+            X_E5M2=x_q.dtype == torch.float8_e5m2,
+            W_E5M2=w_q.dtype == torch.float8_e5m2,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             BLOCK_K=BLOCK_K,
@@ -490,7 +453,7 @@ def _quantize_op(
 @_quantize_op.register_fake
 def _(x, block_m, block_k, fmt):
     M, K = x.shape
-    q = x.new_empty((M, K), dtype=FORMATS[fmt].dtype)
+    q = x.new_empty((M, K), dtype=FORMATS[fmt][0])
     return q, x.new_empty((M // block_m, K // block_k), dtype=torch.float32)
 
 
