@@ -440,6 +440,15 @@ def _linear(x_q, x_s, w_q, w_s, out_dtype, bmx: int, bnw: int):
 
 
 # ---------------------------------------------------------------- the operators
+#
+# fp8 inputs cross the schemas as their bytes (uint8) and a flag for the format:
+# opcheck's schema check compares every input before and after the call with
+# torch.allclose, which has no fp8 kernel on the CPU.
+
+
+def _fp8(bits: torch.Tensor, e5m2: bool) -> torch.Tensor:
+    bits = _validate.as_rows(bits)
+    return bits.view(torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn)
 
 
 @torch.library.custom_op("normbook::quantize_fp8", mutates_args=())
@@ -459,41 +468,44 @@ def _(x, block_m, block_k, fmt):
 
 @torch.library.custom_op("normbook::dequantize_fp8", mutates_args=())
 def _dequantize_op(
-    q: torch.Tensor,
+    q_bits: torch.Tensor,
     scale: torch.Tensor,
     block_m: int,
     block_k: int,
+    e5m2: bool,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """``torch.ops.normbook.dequantize_fp8``: q · scale, rounded once to out_dtype."""
-    q2d, s2d = _validate.as_rows(q), _validate.as_rows(scale)
-    return _dequantize(q2d, s2d, block_m, block_k, out_dtype)
+    q, s2d = _fp8(q_bits, e5m2), _validate.as_rows(scale)
+    return _dequantize(q, s2d, block_m, block_k, out_dtype)
 
 
 @_dequantize_op.register_fake
-def _(q, scale, block_m, block_k, out_dtype):
-    return q.new_empty(q.shape, dtype=out_dtype)
+def _(q_bits, scale, block_m, block_k, e5m2, out_dtype):
+    return q_bits.new_empty(q_bits.shape, dtype=out_dtype)
 
 
 @torch.library.custom_op("normbook::linear_fp8", mutates_args=())
 def _linear_op(
-    x_q: torch.Tensor,
+    x_bits: torch.Tensor,
     x_scale: torch.Tensor,
-    w_q: torch.Tensor,
+    w_bits: torch.Tensor,
     w_scale: torch.Tensor,
+    x_e5m2: bool,
+    w_e5m2: bool,
     out_dtype: torch.dtype,
     block_xm: int,
     block_wn: int,
 ) -> torch.Tensor:
     """``torch.ops.normbook.linear_fp8``: x·wᵀ from the quantized operands."""
-    x2d, w2d = _validate.as_rows(x_q), _validate.as_rows(w_q)
+    x_q, w_q = _fp8(x_bits, x_e5m2), _fp8(w_bits, w_e5m2)
     sx, sw = _validate.as_rows(x_scale), _validate.as_rows(w_scale)
-    return _linear(x2d, sx, w2d, sw, out_dtype, block_xm, block_wn)
+    return _linear(x_q, sx, w_q, sw, out_dtype, block_xm, block_wn)
 
 
 @_linear_op.register_fake
-def _(x_q, x_scale, w_q, w_scale, out_dtype, block_xm, block_wn):
-    return x_q.new_empty((x_q.shape[0], w_q.shape[0]), dtype=out_dtype)
+def _(x_bits, x_scale, w_bits, w_scale, x_e5m2, w_e5m2, out_dtype, *blocks):
+    return x_bits.new_empty((x_bits.shape[0], w_bits.shape[0]), dtype=out_dtype)
 
 
 # ---------------------------------------------------------------- argument checks
@@ -612,7 +624,9 @@ def dequantize_fp8(
     shape = (q.shape[0] // bm, q.shape[1] // bk)
     _check_scale(scale, "scale", shape, q, "q")
     _check_out_dtype(out_dtype)
-    return torch.ops.normbook.dequantize_fp8(q, scale, bm, bk, out_dtype)
+    e5m2 = q.dtype == torch.float8_e5m2
+    bits = q.view(torch.uint8)
+    return torch.ops.normbook.dequantize_fp8(bits, scale, bm, bk, e5m2, out_dtype)
 
 
 def linear_fp8(
@@ -662,8 +676,10 @@ def linear_fp8(
     _check_scale(x_scale, "x_scale", (M // bx[0], K // BLOCK_K), x_q, "x_q")
     _check_scale(w_scale, "w_scale", (N // bw[0], K // BLOCK_K), x_q, "x_q")
     _check_out_dtype(out_dtype)
+    x_e5m2, w_e5m2 = (t.dtype == torch.float8_e5m2 for t in (x_q, w_q))
+    x_bits, w_bits = x_q.view(torch.uint8), w_q.view(torch.uint8)
     return torch.ops.normbook.linear_fp8(
-        x_q, x_scale, w_q, w_scale, out_dtype, bx[0], bw[0]
+        x_bits, x_scale, w_bits, w_scale, x_e5m2, w_e5m2, out_dtype, bx[0], bw[0]
     )
 
 

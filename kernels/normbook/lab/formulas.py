@@ -144,3 +144,45 @@ def _liger_linear_cross_entropy(backward):
         raise Skip(f"liger-kernel unavailable ({type(exc).__name__})") from exc
     loss = LigerFusedLinearCrossEntropyLoss()
     return lambda hidden, weight, target: loss(weight, hidden, target)
+
+
+# ---------------------------------------------------------------- fp8, block scales
+
+
+def _fp8_spread(s, block):
+    """Per-block scales spread over their blocks' elements."""
+    return s.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+
+
+def torch_quantize_fp8(x, block=(1, 128), fmt="e4m3"):
+    """Per-block amax scaling in PyTorch, as DeepSeek-V3's reference code writes it
+    (``act_quant``: scale = amax / 448, then the cast), with normbook's floor of the
+    scale at 2^-126 (an all-zero block gives zeros, never 0/0)."""
+    import torch
+
+    dtype, fmax = {
+        "e4m3": (torch.float8_e4m3fn, 448.0),
+        "e5m2": (torch.float8_e5m2, 57344.0),
+    }[fmt]
+    (M, K), (bm, bk) = x.shape, block
+    blocks = x.float().view(M // bm, bm, K // bk, bk)
+    s = (blocks.abs().amax(dim=(1, 3), keepdim=True) / fmax).clamp_min(2.0**-126)
+    return (blocks / s).to(dtype).view(M, K), s.view(M // bm, K // bk)
+
+
+def torch_dequantize_fp8(q, scale, out_dtype=None, block=(1, 128)):
+    import torch
+
+    y = q.float() * _fp8_spread(scale, block)
+    return y.to(out_dtype or torch.float32)
+
+
+def torch_linear_fp8(x_q, x_scale, w_q, w_scale, out_dtype=None):
+    """Dequantize both operands to fp32, one fp32 product, one rounding. (On a GPU with
+    fp8 tensor cores ``torch._scaled_mm`` takes the fp8 operands and block scales
+    directly: the GPU day's comparison where this PyTorch has it.)"""
+    import torch
+
+    x = torch_dequantize_fp8(x_q, x_scale, torch.float32, (1, 128))
+    w = torch_dequantize_fp8(w_q, w_scale, torch.float32, (128, 128))
+    return (x @ w.T).to(out_dtype or torch.bfloat16)

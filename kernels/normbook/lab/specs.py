@@ -36,10 +36,13 @@ from .formulas import (  # noqa: F401  (re-exported: the benchmark imports them 
     torch_attention,
     torch_attention_varlen,
     torch_cross_entropy,
+    torch_dequantize_fp8,
     torch_fused_add_rms_norm,
     torch_layer_norm,
     torch_linear_cross_entropy,
+    torch_linear_fp8,
     torch_qk_norm_rope,
+    torch_quantize_fp8,
     torch_rms_norm,
     torch_softmax,
     torch_swiglu,
@@ -291,6 +294,65 @@ def _linear_cross_entropy_shapes(smoke):
     return [(64, 8, "lm head")] if smoke else [(LCE_SHAPE[0], LCE_SHAPE[2], "lm head")]
 
 
+def _fp8(make, *shape):
+    """e4m3 values: the case's random values cast, or uninitialized; an input whose
+    loads the inspector checks. Scales: positive fp32, one per block of 128."""
+    import torch
+
+    t = torch.empty(shape, dtype=torch.float8_e4m3fn, device=make.device)
+    if not make.empty:
+        t = make(*shape, checked=False).to(torch.float8_e4m3fn)
+    if make.on_input is not None:
+        make.on_input(t)
+    return t, make(shape[0], shape[1] // 128, checked=False).float().abs() + 0.01
+
+
+def _quantize_fp8_inputs(M, N, make, rows=1):
+    """M tokens of a hidden size N (a weight in 128 × 128 tiles: rows=128, M rounded
+    up to a tile)."""
+    return {"x": make(-(-M // rows) * rows, N, scale=4.0)}
+
+
+def _quantize_fp8_bytes(a, backward):
+    x = a["x"]
+    # read x; write q (a byte a value) and a 4-byte scale per block of 128
+    return _bytes(x) + x.numel() + 4 * (x.numel() // 128)
+
+
+def _dequantize_fp8_inputs(M, N, make):
+    """M tokens of N channels in e4m3 and their scales; the case's dtype out."""
+    q, scale = _fp8(make, M, N)
+    return {"q": q, "scale": scale, "out_dtype": make.dtype}
+
+
+def _linear_fp8_inputs(M, N, make, features=3):
+    """M tokens of width K = N through an up projection to 3N features (Qwen3-8B's
+    MLP: 4096 -> 12288); e4m3 operands, per-token and 128 × 128 weight scales; the
+    case's dtype out."""
+    (x_q, x_scale), (w_q, w_scale) = _fp8(make, M, N), _fp8(make, features * N, N)
+    w_scale = w_scale[::128].contiguous()  # a scale per 128 × 128 tile
+    return dict(
+        x_q=x_q, x_scale=x_scale, w_q=w_q, w_scale=w_scale, out_dtype=make.dtype
+    )
+
+
+def _linear_fp8_shapes(smoke):
+    """Prefill and decode at Qwen3-8B's width (smoke: two small ones), not the sweep:
+    the weight grows with N² (3N × N)."""
+    if smoke:
+        return [(16, 256, "sweep"), (1, 1024, "decode")]
+    return [(8192, 4096, "prefill"), (1, 4096, "decode"), (64, 4096, "decode")]
+
+
+def _linear_fp8_bytes(a, backward):
+    import torch
+
+    # read both operands and their scales, write y (M, 3N)
+    y = a["x_q"].shape[0] * a["w_q"].shape[0]
+    out = torch.empty((), dtype=a["out_dtype"]).element_size()
+    return _bytes(a["x_q"], a["x_scale"], a["w_q"], a["w_scale"]) + y * out
+
+
 # ---------------------------------------------------------------- the specs
 
 _FB = {"forward": "forward", "backward": "backward"}
@@ -489,6 +551,61 @@ SPECS = (
                 (".bf16acc", {"acc_dtype": "bfloat16"}, ("fp32",)),
             )
         ),
+    ),
+    KernelSpec(
+        "quantize_fp8",
+        _quantize_fp8_inputs,
+        (),
+        {},
+        torch_quantize_fp8,
+        "Liger has no fp8 quantization",
+        _quantize_fp8_bytes,
+        {"forward": ""},
+        # Qwen3-8B's hidden and MLP widths, DeepSeek-V3's hidden size
+        plan=Plan(((8192, 4096), (8192, 12288), (1, 4096), (64, 7168)), (0, 2)),
+        inspect=("bench", "decode"),  # N a multiple of 128: not the odd shapes
+        inspect_dtypes=_NO_FP64,
+        variants=(
+            Variant("e5m2", {"fmt": "e5m2"}, _NO_FP64),
+            Variant(
+                "weight",
+                {"block": (128, 128)},
+                _NO_FP64,
+                lambda M, N, make: _quantize_fp8_inputs(M, N, make, rows=128),
+            ),
+        ),
+        tiny=lambda make: {"x": make(3, 128)},
+        module="fp8",
+    ),
+    KernelSpec(
+        "linear_fp8",
+        _linear_fp8_inputs,
+        (),
+        {},
+        torch_linear_fp8,
+        "Liger has no fp8 GEMM",
+        _linear_fp8_bytes,
+        {"forward": ""},
+        _linear_fp8_shapes,
+        # prefill and decode through Qwen3-8B's MLP up projection (4096 -> 12288)
+        plan=Plan(((8192, 4096), (1, 4096), (64, 4096)), (0, 1)),
+        inspect=("bench", "decode"),
+        inspect_shapes=((16384, 4096), (1, 4096), (64, 4096)),
+        inspect_dtypes=_NO_FP64,
+        tiny=lambda make: _linear_fp8_inputs(3, 128, make, features=1),
+        module="fp8",
+    ),
+    KernelSpec(
+        "dequantize_fp8",
+        _dequantize_fp8_inputs,
+        (),
+        {},
+        torch_dequantize_fp8,
+        "Liger has no fp8 dequantization",
+        inspect=("bench", "decode"),
+        inspect_dtypes=_NO_FP64,
+        tiny=lambda make: _dequantize_fp8_inputs(3, 128, make),
+        module="fp8",
     ),
     KernelSpec(
         "speculative_sample",
