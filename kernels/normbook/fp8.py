@@ -68,93 +68,20 @@ import triton.language as tl
 
 from . import _validate
 from ._config import LAUNCH, _capability
-from ._runtime import INTERPRET, device_guard
-from ._triton_utils import round_to
+from ._fp8_bits import fp8_bits, fp8_value, store_rounded, to_f32
+from ._runtime import device_guard
 
 #: The K extent of a scale block: the GEMM's K loop steps by it.
 BLOCK_K = 128
 BLOCKS = ((1, 128), (128, 128))
-#: rows per program of the quantize and dequantize kernels (tiles of 32 × 128)
-ROWS = 32
+#: quantize's and dequantize's tiles: at most ROWS rows, at most TILE elements
+ROWS, TILE = 32, 4096
 
 
 #: fmt -> (its torch dtype, its largest value fmax); the kernels' E5M2 constexpr
 FORMATS = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}
 BY_DTYPE = {dtype: name for name, (dtype, _) in FORMATS.items()}
 IN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-# ---------------------------------------------------------------- bits by hand
-
-_INTERPRET = tl.constexpr(INTERPRET)
-
-
-@triton.jit
-def _f32(x):
-    """``x`` as fp32, exactly. Triton 3.9's interpreter gets bf16's subnormals wrong
-    in this cast; there the bits move by hand (a bf16 is the top half of an fp32)."""
-    if _INTERPRET and x.dtype == tl.bfloat16:
-        bits = x.to(tl.int16, bitcast=True).to(tl.int32) << 16
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return x.to(tl.float32)
-
-
-@triton.jit
-def _fp8_bits(v, E5M2: tl.constexpr):
-    """The fp8 bits (int32, 0..255) of finite fp32 ``v`` with |v| <= fmax, rounded to
-    nearest-even as PyTorch (c10) rounds: no fp8 cast is involved."""
-    MBITS: tl.constexpr = 2 if E5M2 else 3  # mantissa bits
-    BIAS: tl.constexpr = 15 if E5M2 else 7  # exponent bias
-    bits = v.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    mag = bits & 0x7FFFFFFF
-    SHIFT: tl.constexpr = 23 - MBITS
-    # Below the smallest normal 2^(1 - BIAS): add the fp32 number whose spacing is the
-    # fp8 subnormal spacing; the fp32 addition rounds to nearest-even on that grid.
-    MAGIC: tl.constexpr = (127 - BIAS + SHIFT + 1) << 23
-    magic = tl.full(v.shape, MAGIC, tl.int32).to(tl.float32, bitcast=True)
-    sub = (mag.to(tl.float32, bitcast=True) + magic).to(tl.int32, bitcast=True)
-    sub = sub - MAGIC
-    # Normal: rebias the exponent, add half a spacing less one plus the parity of the
-    # kept mantissa (ties to even), keep the top bits; a carry into the exponent is
-    # the right answer (31.6 -> 32).
-    odd = (mag >> SHIFT) & 1
-    normal = (mag + ((BIAS - 127) << 23) + ((1 << (SHIFT - 1)) - 1) + odd) >> SHIFT
-    return tl.where(mag < ((128 - BIAS) << 23), sub, normal) | sign
-
-
-@triton.jit
-def _fp8_value(bits, E5M2: tl.constexpr):
-    """The fp32 value of fp8 ``bits`` (int32, 0..255), exactly, NaN and Inf too."""
-    MBITS: tl.constexpr = 2 if E5M2 else 3
-    BIAS: tl.constexpr = 15 if E5M2 else 7
-    SUB: tl.constexpr = 2.0**-16 if E5M2 else 2.0**-9  # the subnormal spacing
-    mag = bits & 0x7F
-    # normal: the exponent and mantissa fields moved into fp32's, rebiased
-    normal = ((mag << (23 - MBITS)) + ((127 - BIAS) << 23)).to(tl.float32, bitcast=True)
-    # subnormal: the mantissa times the spacing (exact, no fp32 subnormal on the way)
-    sub = (mag & ((1 << MBITS) - 1)).to(tl.float32) * SUB
-    v = tl.where(mag < (1 << MBITS), sub, normal)
-    if E5M2:  # exponent all ones: Inf (mantissa 0) or NaN
-        special = tl.where(mag == 0x7C, float("inf"), float("nan"))
-        v = tl.where(mag >= 0x7C, special, v)
-    else:  # e4m3fn: S.1111.111 is NaN; there is no Inf
-        v = tl.where(mag == 0x7F, float("nan"), v)
-    return tl.where(bits >= 0x80, -v, v)
-
-
-@triton.jit
-def _store(ptrs, y, mask):
-    """Store fp32 ``y`` rounded to the pointers' dtype. The interpreter's fp32 -> bf16
-    cast truncates and flushes bf16's subnormals to zero: there the rounded bits are
-    stored as uint16 (round_to's arithmetic, NaN as PyTorch writes it)."""
-    if _INTERPRET and ptrs.dtype.element_ty == tl.bfloat16:
-        bits = y.to(tl.uint32, bitcast=True)
-        bits = tl.where(y != y, 0x7FC0, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
-        tl.store(ptrs.to(tl.pointer_type(tl.uint16)), bits.to(tl.uint16), mask=mask)
-    else:
-        tl.store(ptrs, round_to(y, ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -172,7 +99,7 @@ def _quantized(x, s, bad, FMAX: tl.constexpr, E5M2: tl.constexpr):
     where the block is not finite."""
     v = tl.math.div_rn(x, s)
     v = tl.minimum(tl.maximum(v, -FMAX), FMAX)  # a no-op: see the docstring
-    return tl.where(bad, 0x7F, _fp8_bits(v, E5M2)).to(tl.uint8)
+    return tl.where(bad, 0x7F, fp8_bits(v, E5M2)).to(tl.uint8)
 
 
 # ---------------------------------------------------------------- the kernels
@@ -187,43 +114,49 @@ def _quantize_fp8_kernel(
     stride_q,
     stride_s,  # row strides in elements (columns contiguous)
     M,
+    NB,  # blocks of BK columns in a row: K / BK
     FMAX: tl.constexpr,
     E5M2: tl.constexpr,  # e5m2, else e4m3
     BM: tl.constexpr,  # block rows: 1 or 128
     BK: tl.constexpr,  # block columns: 128
     ROWS: tl.constexpr,  # rows a program holds at once
+    CB: tl.constexpr,  # column blocks a program holds at once (BM = 1)
 ):
-    kb = tl.program_id(1)
-    c = (kb * BK + tl.arange(0, BK))[None, :]
     if BM == 1:
-        # ROWS blocks of one row each: one load, a maximum per row
+        # ROWS × CB blocks of one row each, as a (ROWS, CB, BK) tile: one load, a
+        # maximum per block along the last axis
         rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-        r = rows[:, None]
-        mask = r < M
-        x = _f32(tl.load(X + r * stride_x + c, mask=mask, other=0.0))
+        blocks = tl.program_id(1) * CB + tl.arange(0, CB)
+        r, b = rows[:, None, None], blocks[None, :, None]
+        c = b * BK + tl.arange(0, BK)[None, None, :]
+        mask = (r < M) & (b < NB)
+        x = to_f32(tl.load(X + r * stride_x + c, mask=mask, other=0.0))
         finite = tl.abs(x) < float("inf")  # False for NaN too
-        amax = tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1)
-        bad = tl.max(tl.where(finite, 0, 1), axis=1) > 0
+        amax = tl.max(tl.where(finite, tl.abs(x), 0.0), axis=2)
+        bad = tl.max(tl.where(finite, 0, 1), axis=2) > 0
         s = _scale(amax, bad, FMAX)
-        q = _quantized(x, s[:, None], bad[:, None], FMAX, E5M2)
+        q = _quantized(x, s[:, :, None], bad[:, :, None], FMAX, E5M2)
         tl.store(Q + r * stride_q + c, q, mask=mask)
-        tl.store(S + rows * stride_s + kb, s, mask=rows < M)
+        s_mask = (rows < M)[:, None] & (blocks < NB)[None, :]
+        tl.store(S + rows[:, None] * stride_s + blocks[None, :], s, mask=s_mask)
     else:
         # one BM × BK block, ROWS rows at a time: its maximum, then its values (the
         # second pass reads the block again, from L2)
+        kb = tl.program_id(1)
+        c = (kb * BK + tl.arange(0, BK))[None, :]
         first = tl.program_id(0).to(tl.int64) * BM
         amax = tl.zeros((), tl.float32)
         bad = tl.zeros((), tl.int32)
         for i in range(0, BM, ROWS):
             r = (first + i + tl.arange(0, ROWS))[:, None]
-            x = _f32(tl.load(X + r * stride_x + c))
+            x = to_f32(tl.load(X + r * stride_x + c))
             finite = tl.abs(x) < float("inf")
             amax = tl.maximum(amax, tl.max(tl.where(finite, tl.abs(x), 0.0)))
             bad = tl.maximum(bad, tl.max(tl.where(finite, 0, 1)))
         s = _scale(amax, bad > 0, FMAX)
         for i in range(0, BM, ROWS):
             r = (first + i + tl.arange(0, ROWS))[:, None]
-            x = _f32(tl.load(X + r * stride_x + c))
+            x = to_f32(tl.load(X + r * stride_x + c))
             tl.store(Q + r * stride_q + c, _quantized(x, s, bad > 0, FMAX, E5M2))
         tl.store(S + tl.program_id(0) * stride_s + kb, s)
 
@@ -237,20 +170,26 @@ def _dequantize_fp8_kernel(
     stride_s,
     stride_y,
     M,
+    NB,
     E5M2: tl.constexpr,
     BM: tl.constexpr,
     BK: tl.constexpr,
     ROWS: tl.constexpr,
+    CB: tl.constexpr,
 ):
-    kb = tl.program_id(1)
+    # a (ROWS, CB, BK) tile of q, and the (ROWS, CB) scales of its blocks
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    r, c = rows[:, None], (kb * BK + tl.arange(0, BK))[None, :]
-    mask = r < M
+    blocks = tl.program_id(1) * CB + tl.arange(0, CB)
+    r, b = rows[:, None, None], blocks[None, :, None]
+    c = b * BK + tl.arange(0, BK)[None, None, :]
+    mask = (r < M) & (b < NB)
     bits = tl.load(Q + r * stride_q + c, mask=mask, other=0).to(tl.int32)
-    s = tl.load(S + (rows // BM) * stride_s + kb, mask=rows < M, other=1.0)
+    s_mask = (rows < M)[:, None] & (blocks < NB)[None, :]
+    s_ptrs = S + (rows // BM)[:, None] * stride_s + blocks[None, :]
+    s = tl.load(s_ptrs, mask=s_mask, other=1.0)
     # q·s: q has 4 significant bits, s 24: one fp32 rounding, then one to Y's dtype
-    y = _fp8_value(bits, E5M2) * s[:, None]
-    _store(Y + r * stride_y + c, y, mask)
+    y = fp8_value(bits, E5M2) * s[:, :, None]
+    store_rounded(Y + r * stride_y + c, y, mask)
 
 
 @triton.jit
@@ -276,13 +215,14 @@ def _linear_fp8_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # one scale block: 128
+    SUB_K: tl.constexpr,  # columns per tl.dot (BLOCK_K on the fp8 path)
 ):
     rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    rk = tl.arange(0, BLOCK_K)
+    rk = tl.arange(0, SUB_K)
     in_m, in_n = rm < M, rn < N
     xs = X + rm[:, None] * stride_x + rk[None, :]
-    ws = W + rn[None, :] * stride_w + rk[:, None]  # wᵀ's tile: (BLOCK_K, BLOCK_N)
+    ws = W + rn[None, :] * stride_w + rk[:, None]  # wᵀ's tile: (SUB_K, BLOCK_N)
     sxs = SX + (rm // BMX) * stride_sx
     sws = SW + (rn // BNW) * stride_sw
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -292,19 +232,24 @@ def _linear_fp8_kernel(
             b = tl.load(ws, mask=in_n[None, :], other=0.0)
             p = tl.dot(a, b, out_dtype=tl.float32)
         else:
-            # the bits, decoded exactly to fp16 (see the docstring)
-            a = tl.load(xs, mask=in_m[:, None], other=0).to(tl.int32)
-            b = tl.load(ws, mask=in_n[None, :], other=0).to(tl.int32)
-            a = _fp8_value(a, X_E5M2)
-            b = _fp8_value(b, W_E5M2)
-            p = tl.dot(a.to(tl.float16), b.to(tl.float16), out_dtype=tl.float32)
+            # the bits, decoded exactly to fp16 (see the docstring), SUB_K columns
+            # at a time (sm_75 multiplies with FMAs, which hold whole operands)
+            p = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kk in tl.static_range(0, BLOCK_K, SUB_K):
+                a = tl.load(xs + kk, mask=in_m[:, None], other=0).to(tl.int32)
+                b = tl.load(ws + kk, mask=in_n[None, :], other=0).to(tl.int32)
+                a = fp8_value(a, X_E5M2).to(tl.float16)
+                b = fp8_value(b, W_E5M2).to(tl.float16)
+                p = tl.dot(a, b, p, out_dtype=tl.float32)
         sx = tl.load(sxs + kb, mask=in_m, other=0.0)
         sw = tl.load(sws + kb, mask=in_n, other=0.0)
         # the block's partial sum, scaled, promoted into the fp32 accumulator
         acc += (p * sx[:, None]) * sw[None, :]
         xs += BLOCK_K
         ws += BLOCK_K
-    _store(Y + rm[:, None] * stride_y + rn[None, :], acc, in_m[:, None] & in_n[None, :])
+    store_rounded(
+        Y + rm[:, None] * stride_y + rn[None, :], acc, in_m[:, None] & in_n[None, :]
+    )
 
 
 # ---------------------------------------------------------------- launch plans
@@ -318,24 +263,33 @@ def native_fp8_dot(t: torch.Tensor) -> bool:
     return capability is not None and capability >= (8, 9)
 
 
-def linear_config(native: bool, capability) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of ``linear_fp8``: from the GPU only,
-    never from M (batch invariance). BLOCK_K is a scale block, 128.
+def linear_config(native: bool, capability) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, SUB_K, num_warps, num_stages) of ``linear_fp8``: from the
+    GPU only, never from M (batch invariance). BLOCK_K is a scale block, 128.
 
     64 rows: a decode batch wastes less of a tile than with 128, a prefill still fills
     a Hopper warpgroup's 64-row ``wgmma``. The decoded path holds each tile in
-    registers as fp32 then fp16 before the product: 64 × 64 there."""
+    registers as fp32 then fp16 before the product: 64 × 64 on sm_80. sm_75 gets no
+    ``mma`` from Triton 3.9 (FMAs): 32 × 32 tiles, 32 columns of K per product, 2
+    warps (128-bit loads).
+    Checked free of spills by ``python -m normbook.lab.inspector``."""
     if native:
-        return 64, 128, 4, 4
+        return 64, 128, BLOCK_K, 4, 4
     if capability is None:  # the interpreter: fewer, larger programs
-        return 64, 128, 4, 1
-    return 64, 64, 4, 3 if capability >= (8, 0) else 2
+        return 64, 128, BLOCK_K, 4, 1
+    if capability >= (8, 0):
+        return 64, 64, BLOCK_K, 4, 3
+    return 32, 32, 32, 2, 1
 
 
-def _row_tile(M: int) -> int:
-    # quantize's and dequantize's rows per program: nothing is summed across rows,
-    # so following M changes no bit
-    return min(ROWS, triton.next_power_of_2(max(M, 1)))
+def _tile(M: int, K: int) -> tuple[int, int, int]:
+    """(ROWS, CB, num_warps) of quantize's and dequantize's (ROWS, CB, 128) tiles: up
+    to TILE elements, few rows when M is small (decode) and more column blocks then,
+    so that each thread still loads 16 contiguous bytes. Nothing is summed across a
+    tile, so following M changes no bit."""
+    rows = min(ROWS, triton.next_power_of_2(max(M, 1)))
+    cb = min(TILE // (rows * BLOCK_K), triton.next_power_of_2(max(K // BLOCK_K, 1)))
+    return rows, cb, min(max(rows * cb * BLOCK_K // 512, 1), 8)
 
 
 # ---------------------------------------------------------------- launchers
@@ -350,10 +304,10 @@ def _forward(x2d: torch.Tensor, bm: int, bk: int, fmt: str):
     if q.numel() == 0:
         return q, s
     bits = q.view(torch.uint8)
-    rows = _row_tile(M) if bm == 1 else ROWS
-    grid = (triton.cdiv(M, rows) if bm == 1 else M // bm, K // bk)
+    rows, cb, warps = _tile(M, K) if bm == 1 else (ROWS, 1, 4)
+    grid = (triton.cdiv(M, rows), triton.cdiv(K // bk, cb))
     with device_guard(x2d):
-        _quantize_fp8_kernel[grid](
+        _quantize_fp8_kernel[grid if bm == 1 else (M // bm, K // bk)](
             x2d,
             bits,
             s,
@@ -361,12 +315,14 @@ def _forward(x2d: torch.Tensor, bm: int, bk: int, fmt: str):
             bits.stride(0),
             s.stride(0),
             M,
+            K // bk,
             FMAX=fmax,
             E5M2=fmt == "e5m2",
             BM=bm,
             BK=bk,
             ROWS=rows,
-            num_warps=8 if bm == 1 and rows == ROWS else 4,
+            CB=cb,
+            num_warps=warps,
             **LAUNCH,
         )
     return q, s
@@ -378,9 +334,9 @@ def _dequantize(q: torch.Tensor, s: torch.Tensor, bm: int, bk: int, out_dtype):
     if y.numel() == 0:
         return y
     bits = q.view(torch.uint8)
-    rows = _row_tile(M)
+    rows, cb, warps = _tile(M, K)
     with device_guard(q):
-        _dequantize_fp8_kernel[(triton.cdiv(M, rows), K // bk)](
+        _dequantize_fp8_kernel[(triton.cdiv(M, rows), triton.cdiv(K // bk, cb))](
             bits,
             s,
             y,
@@ -388,11 +344,13 @@ def _dequantize(q: torch.Tensor, s: torch.Tensor, bm: int, bk: int, out_dtype):
             s.stride(0),
             y.stride(0),
             M,
+            K // bk,
             E5M2=q.dtype == torch.float8_e5m2,
             BM=bm,
             BK=bk,
             ROWS=rows,
-            num_warps=8 if rows == ROWS else 4,
+            CB=cb,
+            num_warps=warps,
             **LAUNCH,
         )
     return y
@@ -406,7 +364,7 @@ def _linear(x_q, x_s, w_q, w_s, out_dtype, bmx: int, bnw: int):
     if K == 0:
         return y.zero_()
     native = native_fp8_dot(x_q)
-    block_m, block_n, warps, stages = linear_config(native, _capability(x_q))
+    block_m, block_n, sub_k, warps, stages = linear_config(native, _capability(x_q))
     # the decoded path reads the bits: no fp8 type reaches the compiler
     a, b = (x_q, w_q) if native else (x_q.view(torch.uint8), w_q.view(torch.uint8))
     with device_guard(x_q):
@@ -432,6 +390,7 @@ def _linear(x_q, x_s, w_q, w_s, out_dtype, bmx: int, bnw: int):
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             BLOCK_K=BLOCK_K,
+            SUB_K=sub_k,
             num_warps=warps,
             num_stages=stages,
             **LAUNCH,
