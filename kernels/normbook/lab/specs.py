@@ -340,7 +340,7 @@ def _linear_fp8_shapes(smoke):
     """Prefill and decode at Qwen3-8B's width (smoke: two small ones), not the sweep:
     the weight grows with N² (3N × N)."""
     if smoke:
-        return [(16, 256, "sweep"), (1, 1024, "decode")]
+        return [(16, 256, "sweep"), (1, 256, "decode")]
     return [(8192, 4096, "prefill"), (1, 4096, "decode"), (64, 4096, "decode")]
 
 
@@ -576,6 +576,7 @@ SPECS = (
         ),
         tiny=lambda make: {"x": make(3, 128)},
         module="fp8",
+        inspect_s=15,
     ),
     KernelSpec(
         "linear_fp8",
@@ -594,6 +595,7 @@ SPECS = (
         inspect_dtypes=_NO_FP64,
         tiny=lambda make: _linear_fp8_inputs(3, 128, make, features=1),
         module="fp8",
+        inspect_s=10,
     ),
     KernelSpec(
         "dequantize_fp8",
@@ -606,6 +608,7 @@ SPECS = (
         inspect_dtypes=_NO_FP64,
         tiny=lambda make: _dequantize_fp8_inputs(3, 128, make),
         module="fp8",
+        inspect_s=6,
     ),
     KernelSpec(
         "speculative_sample",
