@@ -236,21 +236,29 @@ def _row_variance_inputs(M, N, make):
     return {"x": make(M, N)}
 
 
-def _decode_attention_inputs(M, N, make, paged=False):
+def _decode_attention_inputs(M, N, make, paged=False, cache_dtype=None):
     """M requests, one new token each, over a full cache of N tokens (Qwen3-8B's heads;
-    a small model's at N <= 256)."""
+    a small model's at N <= 256); the cache in q's dtype or ``cache_dtype``."""
     hq, hk = DECODE_HEADS if N > 256 else (8, 2)
     d = HEAD_DIM
     out = {"q": make(M, hq, 1, d), "cache_seqlens": make.lengths(M, N)}
-    if not paged:
-        return {**out, "k_cache": make(M, hk, N, d), "v_cache": make(M, hk, N, d)}
-    blocks = M * (N // DECODE_PAGE)
-    return {
-        **out,
-        "k_cache": make(blocks, hk, DECODE_PAGE, d),
-        "v_cache": make(blocks, hk, DECODE_PAGE, d),
-        "block_table": make.table(M, N // DECODE_PAGE),
-    }
+    shape = (M * (N // DECODE_PAGE), hk, DECODE_PAGE, d) if paged else (M, hk, N, d)
+    out["k_cache"] = make(*shape, dtype=cache_dtype)
+    out["v_cache"] = make(*shape, dtype=cache_dtype)
+    if paged:
+        out["block_table"] = make.table(M, N // DECODE_PAGE)
+    return out
+
+
+def _decode_attention_fp8_inputs(M, N, make):
+    """An e4m3 cache (vLLM's fp8) with one scale per k/v head, beside q's dtype. The
+    scales are read before the launch: real values, also for the inspector."""
+    import torch
+
+    a = _decode_attention_inputs(M, N, make, cache_dtype=torch.float8_e4m3fn)
+    hk = a["k_cache"].shape[1]
+    scales = [torch.full((hk,), 2.0**-6, device=make.device) for _ in "kv"]
+    return {**a, "k_scale": scales[0], "v_scale": scales[1]}
 
 
 def _decode_attention_bytes(a, backward):
@@ -443,6 +451,9 @@ SPECS = (
             ),
             # Gemma 2's attention cap: the tanh the uncapped kernel compiles without
             Variant("softcap", {"softcap": 50.0}, _NO_FP64),
+            # vLLM's fp8 KV cache: e4m3 tiles converted to q's dtype (sm_90), or
+            # read as bytes and shifted into fp16 (no fp8 e4m3 before sm_89)
+            Variant("fp8kv", {}, _NO_FP64, _decode_attention_fp8_inputs),
         ),
         inspect_s=14,
     ),
@@ -489,6 +500,12 @@ SPECS = (
                 (".bf16acc", {"acc_dtype": "bfloat16"}, ("fp32",)),
             )
         ),
+    ),
+    KernelSpec(
+        "quantize_kv",
+        None,
+        inspect="PyTorch, no Triton kernel",
+        tiny=lambda make: {"x": make(3, 2, 8, 16)},
     ),
     KernelSpec(
         "speculative_sample",
