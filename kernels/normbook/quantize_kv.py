@@ -1,4 +1,4 @@
-r"""An fp8 KV cache for :func:`normbook.decode_attention`: keys or values and their scales.
+r"""An fp8 KV cache for :func:`normbook.decode_attention`: the cache and its scales.
 
 vLLM's convention: the cache holds ``x8 = fp8(x / κ)`` and the attention reads
 ``x = x8 · κ``. The scale maps the largest magnitude onto the format's largest finite
@@ -9,10 +9,11 @@ then costs that head its resolution, not every head.
 
 Rounding to fp8 is relative: a value in e4m3's normal range ``[2^-6, 448]`` (after the
 division by κ) moves by at most ``2^-4`` of itself (3 mantissa bits), in e5m2's by
-``2^-3``; below it (``|x| < 2^-6 κ``, e5m2 ``2^-14 κ``) by at most half a subnormal step,
-``2^-10 κ`` (e5m2 ``2^-17 κ``), absolutely. PyTorch's cast rounds to nearest, ties to
-even (Triton 3.9's interpreter rounds some values wrongly where the rounding carries
-into the exponent, so no kernel casts here: this is PyTorch, a calibration step).
+``2^-3``; below it (``|x| < 2^-6 κ``, e5m2 ``2^-14 κ``) by at most half a subnormal
+step, ``2^-10 κ`` (e5m2 ``2^-17 κ``), absolutely. PyTorch's cast rounds to nearest,
+ties to even (Triton 3.9's interpreter rounds some values wrongly where the rounding
+carries into the exponent, so no kernel casts here: this is PyTorch, a calibration
+step).
 """
 
 import torch
