@@ -37,6 +37,12 @@ Caches, in this package's heads-before-sequence layout:
   ``(B, max_blocks)`` int32: row ``b``'s key ``j`` at
   ``[block_table[b, j // block_size], :, j % block_size]`` (vLLM's block table).
   Entries past a row's last block are never read (they may hold -1).
+
+Either cache may be stored in fp8 (vLLM's convention, :func:`normbook.quantize_kv`):
+``k8 = fp8(k / κ_k)`` with κ one number or one per k/v head, read as ``k8 · κ_k``.
+The tiles are converted to q's dtype exactly and the scales multiply the scores and the
+chunk's accumulator instead (:func:`decode_attention` derives it): half the bytes read,
+the arithmetic of a 16-bit cache plus two fp32 roundings.
 """
 
 import torch
@@ -86,6 +92,9 @@ def _kv_tile(t, Q, E4M3_BITS: tl.constexpr, UPCAST: tl.constexpr):
     fp16 and bf16), or in fp32 where the interpreter's bf16 dot is broken."""
     if E4M3_BITS:
         t = _e4m3_from_bits(t)
+        if Q.dtype.element_ty == tl.bfloat16:
+            # fp16 → bf16 through fp32: before sm_80 only that cast is emulated
+            t = t.to(tl.float32)
     t = t.to(Q.dtype.element_ty)
     if UPCAST:
         t = t.to(tl.float32)
