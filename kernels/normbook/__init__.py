@@ -18,6 +18,7 @@ from .fused_add_rms_norm import fused_add_rms_norm
 from .layer_norm import layer_norm
 from .linear_cross_entropy import linear_cross_entropy
 from .qk_norm_rope import qk_norm_rope
+from .quantize_kv import quantize_kv
 from .rms_norm import rms_norm
 from .row_stats import row_variance
 from .sampling import sample
@@ -44,6 +45,7 @@ __all__ = [
     "swiglu",
     "linear_cross_entropy",
     "decode_attention",
+    "quantize_kv",
     "speculative_sample",
     "quantize_fp8",
     "dequantize_fp8",

@@ -37,19 +37,23 @@ Caches, in this package's heads-before-sequence layout:
   ``(B, max_blocks)`` int32: row ``b``'s key ``j`` at
   ``[block_table[b, j // block_size], :, j % block_size]`` (vLLM's block table).
   Entries past a row's last block are never read (they may hold -1).
-"""
 
-import numbers
+Either cache may be stored in fp8 (vLLM's convention, :func:`normbook.quantize_kv`):
+``k8 = fp8(k / κ_k)`` with κ one number or one per k/v head, read as ``k8 · κ_k``.
+The tiles are converted to q's dtype exactly and the scales multiply the scores and the
+chunk's accumulator instead (:func:`decode_attention` derives it): half the bytes read,
+the arithmetic of a 16-bit cache plus two fp32 roundings.
+"""
 
 import torch
 import triton
 import triton.language as tl
 
-from . import _validate
 from ._config import LAUNCH, LOG2E, _capability, tile_config
+from ._decode_attention_checks import check as _check
+from ._decode_attention_checks import check_values as _check_values
 from ._runtime import INTERPRET, device_guard
 from ._triton_utils import round_to, tanh
-from .attention import DTYPES, MAX_HEAD_DIM
 
 # Keys per chunk: one program's share of a row. A constant, so that where a row is cut
 # never depends on the batch. 128 keys give a 1K-token row 8 chunks per k/v head (64
@@ -71,6 +75,33 @@ def _visible_keys(n, Sq, window, WINDOW: tl.constexpr):
 
 
 @triton.jit
+def _e4m3_from_bits(b):
+    """fp8 e4m3fn bits (uint8) as fp16 values 2^-8 times theirs, exactly: fp16 has
+    e4m3's 3 mantissa bits and more, its exponent bias is 15 against 7, so the 7 bits
+    below the sign shift in as they are (subnormals too). For GPUs without fp8 e4m3
+    (before sm_89): the caller folds the 2^8 into the scale."""
+    b = b.to(tl.int32)
+    h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    f = h.to(tl.int16).to(tl.float16, bitcast=True)
+    return tl.where((b & 0x7F) == 0x7F, float("nan"), f)  # e4m3fn's NaN
+
+
+@triton.jit
+def _kv_tile(t, Q, E4M3_BITS: tl.constexpr, UPCAST: tl.constexpr):
+    """An fp8 tile in q's dtype, exactly (4 significant bits and e5m2's exponents fit
+    fp16 and bf16), or in fp32 where the interpreter's bf16 dot is broken."""
+    if E4M3_BITS:
+        t = _e4m3_from_bits(t)
+        if Q.dtype.element_ty == tl.bfloat16:
+            # fp16 → bf16 through fp32: before sm_80 only that cast is emulated
+            t = t.to(tl.float32)
+    t = t.to(Q.dtype.element_ty)
+    if UPCAST:
+        t = t.to(tl.float32)
+    return t
+
+
+@triton.jit
 def _decode_split(
     Q,
     K,
@@ -80,6 +111,8 @@ def _decode_split(
     MidAcc,
     MidM,
     MidL,  # inputs; partial states (fp32)
+    KScale,
+    VScale,  # an fp8 cache's scales, one per k/v head (fp32)
     sqb,
     sqh,
     sqm,
@@ -94,6 +127,8 @@ def _decode_split(
     svn,
     svd,  # strides of V
     stb,  # stride of the block table's rows
+    sks,
+    svs,  # strides of the scales (0: one for the tensor)
     # R = GROUP·Sq query rows per (row, k/v head)
     H_kv,
     GROUP,
@@ -109,6 +144,8 @@ def _decode_split(
     WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
+    FP8: tl.constexpr,  # K, V in fp8, dequantized by KScale, VScale
+    E4M3_BITS: tl.constexpr,  # K, V as uint8 holding e4m3fn (no fp8 e4m3 type)
     CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -141,6 +178,15 @@ def _decode_split(
     if UPCAST:
         # the interpreter's bf16 dot is broken; fp32 holds bf16 exactly
         q = q.to(tl.float32)
+    if FP8:
+        # One k/v head per program: its scales leave the tiles for the scores' and
+        # the output's multipliers, s = (q·k8)·(k_scale·scale), o = v_scale·Σ p v8.
+        k_scale = tl.load(KScale + h_kv * sks)
+        v_scale = tl.load(VScale + h_kv * svs)
+        if E4M3_BITS:
+            k_scale = k_scale * 256.0  # exact: the tiles hold 2^-8 times the fp8
+            v_scale = v_scale * 256.0
+        qk_scale = qk_scale * k_scale
 
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -165,7 +211,9 @@ def _decode_split(
             mask=col_ok[None, :] & dim_ok[:, None],
             other=0.0,
         )  # Kᵀ tile
-        if UPCAST:
+        if FP8:
+            kt = _kv_tile(kt, Q, E4M3_BITS, UPCAST)
+        elif UPCAST:
             kt = kt.to(tl.float32)
         s = tl.dot(q, kt, input_precision="ieee", out_dtype=tl.float32) * qk_scale
         if SOFTCAP:
@@ -186,16 +234,21 @@ def _decode_split(
             mask=col_ok[:, None] & dim_ok[None, :],
             other=0.0,
         )
-        # P in V's dtype for the product, as FA does
-        p_low = round_to(p, V.dtype.element_ty)
+        # P in q's (the cache's unless fp8) dtype for the product, as FA does
+        p_low = round_to(p, Q.dtype.element_ty)
+        if FP8:
+            vt = _kv_tile(vt, Q, E4M3_BITS, UPCAST)
+        elif UPCAST:
+            vt = vt.to(tl.float32)
         if UPCAST:
             p_low = p_low.to(tl.float32)
-            vt = vt.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(
             p_low, vt, input_precision="ieee", out_dtype=tl.float32
         )
         m = m_new
 
+    if FP8:
+        acc = acc * v_scale
     # The chunk's partial state, unnormalized: the merge rescales and divides once.
     state = (bh * n_chunks + chunk).to(tl.int64) * R + rows
     tl.store(MidM + state, m, mask=row_ok)
@@ -279,176 +332,6 @@ def decode_config(head_dim: int, rows: int, dtype: torch.dtype, capability=None)
     return block_m, block_n, block_d, num_warps
 
 
-# ---------------------------------------------------------------- arguments
-
-
-def _check_tensor(t, name):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    _validate.check_device(t, name)
-
-
-def _check_softcap(softcap, scale):
-    """The cap c as a float, or None for none (None or 0)."""
-    if isinstance(softcap, bool) or not (
-        softcap is None or isinstance(softcap, numbers.Real)
-    ):
-        raise TypeError(
-            f"softcap must be a real number or None, got {type(softcap).__name__}"
-        )
-    if softcap is None or softcap == 0:
-        return None
-    softcap = float(softcap)
-    if not 0.0 < softcap < float("inf"):
-        raise ValueError(
-            f"softcap must be a finite number > 0 (None or 0: no cap), got {softcap}"
-        )
-    # The kernel multiplies by scale/c and c·log2(e), which must be normal fp32
-    # numbers: c in about [1e-38, 1e36] at scale 1/√128, where models use tens.
-    fp32 = torch.finfo(torch.float32)
-    if not all(
-        fp32.tiny <= x <= fp32.max
-        for x in (softcap * LOG2E, abs(scale) / softcap or 1.0)
-    ):
-        raise ValueError(
-            f"softcap = {softcap} with scale = {scale} leaves fp32's range: "
-            "scale/softcap and softcap·log2(e) must be normal fp32 numbers"
-        )
-    return softcap
-
-
-def _check(
-    q, k_cache, v_cache, cache_seqlens, block_table, scale, window, softcap=None
-):
-    """Every structural check, before any launch. Returns (scale, window, capacity,
-    softcap), softcap None when off."""
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        _check_tensor(t, name)
-        if t.dtype not in DTYPES:
-            raise TypeError(
-                f"{name} must be float32, float16 or bfloat16, got {t.dtype}"
-            )
-        if t.dim() != 4:
-            raise ValueError(
-                f"{name} must have 4 dimensions, got shape {tuple(t.shape)}"
-            )
-    B, H, Sq, D = q.shape
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} must have q's dtype, {q.dtype}, got {t.dtype}")
-        _validate.check_same_device(name, t, "q", q)
-        if t.shape[3] != D:
-            raise ValueError(f"{name} must have q's head_dim, {D}, got {t.shape[3]}")
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(
-            f"v_cache must have k_cache's shape, {tuple(k_cache.shape)}, "
-            f"got {tuple(v_cache.shape)}"
-        )
-    H_kv = k_cache.shape[1]
-    if H_kv == 0 or H % H_kv != 0:
-        raise ValueError(
-            f"k_cache's heads ({H_kv}) must divide q's heads ({H}): "
-            "grouped-query attention shares each k/v head among a "
-            "group of q heads"
-        )
-    if not 1 <= D <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be between 1 and {MAX_HEAD_DIM}, got {D}")
-    if Sq < 1:
-        raise ValueError(
-            f"q must hold at least one new token per row (dimension 2), got {Sq}"
-        )
-    _check_tensor(cache_seqlens, "cache_seqlens")
-    if cache_seqlens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(
-            f"cache_seqlens must be int32 or int64, got {cache_seqlens.dtype}"
-        )
-    if tuple(cache_seqlens.shape) != (B,):
-        raise ValueError(
-            f"cache_seqlens must have shape ({B},), one length per row of "
-            f"q, got {tuple(cache_seqlens.shape)}"
-        )
-    _validate.check_same_device("cache_seqlens", cache_seqlens, "q", q)
-    if block_table is None:
-        if k_cache.shape[0] != B:
-            raise ValueError(
-                f"a contiguous k_cache must have q's batch size, {B}, "
-                f"got {k_cache.shape[0]} (pass block_table for a paged "
-                "cache)"
-            )
-        capacity = k_cache.shape[2]
-    else:
-        _check_tensor(block_table, "block_table")
-        if block_table.dtype != torch.int32:
-            raise TypeError(f"block_table must be int32, got {block_table.dtype}")
-        if block_table.dim() != 2 or block_table.shape[0] != B:
-            raise ValueError(
-                f"block_table must have shape ({B}, max_blocks), got "
-                f"{tuple(block_table.shape)}"
-            )
-        _validate.check_same_device("block_table", block_table, "q", q)
-        page = k_cache.shape[2]
-        if page < 1:
-            raise ValueError(f"block_size (k_cache.shape[2]) must be >= 1, got {page}")
-        capacity = block_table.shape[1] * page
-    if scale is None:
-        scale = D**-0.5
-    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(
-            f"scale must be a real number or None, got {type(scale).__name__}"
-        )
-    scale = float(scale)
-    if not abs(scale) < float("inf"):
-        raise ValueError(f"scale must be finite, got {scale}")
-    if window is not None:
-        if isinstance(window, bool) or not isinstance(window, numbers.Integral):
-            raise TypeError(
-                f"window must be an int or None, got {type(window).__name__}"
-            )
-        if window < 1:
-            raise ValueError(
-                f"window must be >= 1 (keys each query sees), got {window}"
-            )
-        window = int(window)
-    softcap = _check_softcap(softcap, scale)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
-        raise NotImplementedError(
-            "normbook.decode_attention has no backward: q, "
-            "k_cache or v_cache requires grad (decoding needs "
-            "none; detach them)"
-        )
-    return scale, window, capacity, softcap
-
-
-def _check_values(cache_seqlens, block_table, capacity, num_blocks):
-    """The lengths (and the block-table entries a row uses) are in range: reading past
-    them would touch memory that is not the row's. One host synchronization."""
-    n = cache_seqlens.to(torch.int64)
-    bad = [(n < 0).any(), (n > capacity).any()]
-    if block_table is not None and block_table.numel():
-        page = capacity // block_table.shape[1]
-        used = (
-            torch.arange(block_table.shape[1], device=n.device)[None, :]
-            < ((n + page - 1) // page)[:, None]
-        )
-        bad.append((used & ((block_table < 0) | (block_table >= num_blocks))).any())
-    flags = torch.stack(bad).tolist()  # the one synchronization
-    if flags[0]:
-        raise ValueError(f"cache_seqlens must be >= 0, got {n.tolist()}")
-    if flags[1]:
-        where = (
-            "max_blocks · block_size" if block_table is not None else "k_cache.shape[2]"
-        )
-        raise ValueError(
-            f"cache_seqlens must be <= the cache's capacity, {where} = "
-            f"{capacity}, got a length of {int(n.max())}"
-        )
-    if len(flags) > 2 and flags[2]:
-        raise ValueError(
-            f"block_table entries a row uses must be in [0, {num_blocks}) "
-            "(k_cache.shape[0] blocks)"
-        )
-
-
 def _forward(
     q,
     k_cache,
@@ -459,10 +342,14 @@ def _forward(
     window,
     capacity,
     softcap=None,
+    k_scale=None,
+    v_scale=None,
     chunk=KV_CHUNK,
+    e4m3_bits=None,
 ):
     """Launch on checked inputs. ``chunk`` is for tests (more chunks at interpreter
-    sizes)."""
+    sizes), and ``e4m3_bits`` (None: where the GPU has no fp8 e4m3, before sm_89) reads
+    an e4m3 cache as bytes, as on those GPUs."""
     B, H, Sq, D = q.shape
     H_kv = k_cache.shape[1]
     group = H // H_kv
@@ -470,8 +357,15 @@ def _forward(
     out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
     if out.numel() == 0:
         return out
-    BLOCK_M, BLOCK_N, BLOCK_D, num_warps = decode_config(D, R, q.dtype, _capability(q))
+    capability = _capability(q)
+    BLOCK_M, BLOCK_N, BLOCK_D, num_warps = decode_config(D, R, q.dtype, capability)
     assert chunk % BLOCK_N == 0
+    fp8 = k_scale is not None
+    if e4m3_bits is None:
+        e4m3_bits = capability is not None and tuple(capability) < (8, 9)
+    e4m3_bits = fp8 and e4m3_bits and k_cache.dtype == torch.float8_e4m3fn
+    if e4m3_bits:  # the same bytes, read as uint8
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     # Enough chunk programs for the longest row the cache can hold; those past a row's
     # length return at once. The capacity sizes the grid, never the work a row does.
     n_chunks = max(triton.cdiv(capacity, chunk), 1)
@@ -493,10 +387,14 @@ def _forward(
             mid_acc,
             mid_m,
             mid_l,
+            k_scale if fp8 else mid_m,  # placeholders, never read
+            v_scale if fp8 else mid_m,
             *q.stride(),
             *k_cache.stride(),
             *v_cache.stride(),
             block_table.stride(0) if paged else 0,
+            k_scale.stride(0) if fp8 else 0,
+            v_scale.stride(0) if fp8 else 0,
             H_kv,
             group,
             Sq,
@@ -512,6 +410,8 @@ def _forward(
             WINDOW=window is not None,
             SOFTCAP=softcap is not None,
             UPCAST=INTERPRET,
+            FP8=fp8,
+            E4M3_BITS=e4m3_bits,
             CHUNK=chunk,
             BLOCK_M=BLOCK_M,
             BLOCK_N=BLOCK_N,
@@ -553,6 +453,8 @@ def decode_attention(
     scale=None,
     window=None,
     softcap=None,
+    k_scale=None,
+    v_scale=None,
 ):
     r"""Attention of each row's ``S_q`` newest tokens over its KV cache (split-KV).
 
@@ -560,8 +462,9 @@ def decode_attention(
         q: ``(B, H, S_q, D)``, float32, float16 or bfloat16, any strides: the
             ``S_q >= 1`` newest tokens of each row (``S_q > 1``: verifying speculative
             tokens).
-        k_cache, v_cache: q's dtype and device, any strides; contiguous
-            ``(B, H_kv, S_max, D)`` or, with ``block_table``, paged
+        k_cache, v_cache: q's dtype, or both fp8 (``float8_e4m3fn`` or
+            ``float8_e5m2``) with ``k_scale`` and ``v_scale``; q's device, any strides;
+            contiguous ``(B, H_kv, S_max, D)`` or, with ``block_table``, paged
             ``(num_blocks, H_kv, block_size, D)``. ``H_kv`` divides ``H`` (grouped-query
             attention). The new tokens' keys and values are already in the cache, at
             positions ``cache_seqlens[b] - S_q … cache_seqlens[b] - 1``.
@@ -580,20 +483,51 @@ def decode_attention(
         softcap: ``None`` or 0 (no cap), or a finite ``c > 0``: each scaled score
             ``s`` becomes ``c·tanh(s/c)`` before the mask and the softmax (Gemma 2's
             attention soft-capping, FlashAttention's ``softcap``).
+        k_scale, v_scale: an fp8 cache's scales (vLLM's convention, required with
+            one, refused without): the cache holds ``k / k_scale`` rounded to fp8,
+            so the key is ``k8 · k_scale``. A float or a 0-d (or ``(1,)``) float32
+            tensor (per tensor, vLLM's ``_k_scale``), or ``(H_kv,)`` float32 (one per
+            k/v head); finite and > 0. :func:`normbook.quantize_kv` makes them.
+
+    With an fp8 cache the scales never touch a tile. An fp8 value (at most 4
+    significant bits, e5m2's exponents within fp16's) is exact in fp16 and bf16, so a
+    tile is converted to q's dtype without rounding and the products are the fp8
+    values'; since a program serves one k/v head, whose scales are two numbers,
+
+    .. math:: s_j = \text{scale}\,q\cdot(k8_j\,\kappa_k) = (q\cdot k8_j)\,
+              (\text{scale}\,\kappa_k), \qquad
+              o = \frac{\sum_j p_j\,(v8_j\,\kappa_v)}{\ell}
+              = \kappa_v\,\frac{\sum_j p_j\,v8_j}{\ell}:
+
+    ``scale·log2(e)·κ_k`` is one fp32 multiplier of the scores (one rounding more
+    than a 16-bit cache's), and ``κ_v`` multiplies each chunk's accumulator once
+    before the merge. Dequantizing the tile instead (``k8·κ_k`` rounded to bf16) would
+    round every key. On GPUs without fp8 e4m3 (before sm_89) an e4m3 cache is read as
+    bytes and turned into fp16 by shifting its bits (the value times 2^-8, which the
+    scales take back exactly): the same results. P is rounded to q's dtype.
 
     Returns ``(B, H, S_q, D)`` in q's dtype. Scores and softmax state in fp32,
-    probabilities rounded to the cache's dtype before multiplying V (as FlashAttention).
+    probabilities rounded to q's dtype before multiplying V (as FlashAttention).
     A row's bits do not depend on the batch, the other rows, the capacity, or paged vs
     contiguous storage.
 
     Raises:
         TypeError / ValueError naming the bad argument, before any launch. Structural
         checks cost nothing; the value checks (every length in ``[0, capacity]``, every
-        block-table entry a row uses in ``[0, num_blocks)``) cost one host
-        synchronization. NotImplementedError if an input requires grad.
+        block-table entry a row uses in ``[0, num_blocks)``, a scale tensor's values)
+        cost one host synchronization. NotImplementedError if an input requires grad.
     """
-    scale, window, capacity, softcap = _check(
-        q, k_cache, v_cache, cache_seqlens, block_table, scale, window, softcap
+    scale, window, capacity, softcap, k_scale, v_scale = _check(
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        block_table,
+        scale,
+        window,
+        softcap,
+        k_scale,
+        v_scale,
     )
     return torch.ops.normbook.decode_attention(
         q,
@@ -605,6 +539,8 @@ def decode_attention(
         window,
         capacity,
         softcap,
+        k_scale,
+        v_scale,
     )
 
 
@@ -622,14 +558,17 @@ def _op(
     window: int | None,
     capacity: int,
     softcap: float | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
 ) -> torch.Tensor:
     """``torch.ops.normbook.decode_attention``: checked arguments (``_check``'s). The
-    lengths and block-table entries are checked here, before the launch: they are
-    values (one host read). No autograd: the public function refuses inputs that
-    require grad."""
+    lengths, block-table entries and an fp8 cache's scales are checked here, before the
+    launch: they are values (one host read). No autograd: the public function refuses
+    inputs that require grad."""
     if q.numel() == 0:
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _check_values(cache_seqlens, block_table, capacity, k_cache.shape[0])
+    num_blocks = k_cache.shape[0]
+    _check_values(cache_seqlens, block_table, capacity, num_blocks, k_scale, v_scale)
     return _forward(
         q,
         k_cache,
@@ -640,11 +579,23 @@ def _op(
         window,
         capacity,
         softcap,
+        k_scale,
+        v_scale,
     )
 
 
 @_op.register_fake
 def _(
-    q, k_cache, v_cache, cache_seqlens, block_table, scale, window, capacity, softcap
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    block_table,
+    scale,
+    window,
+    capacity,
+    softcap,
+    k_scale,
+    v_scale,
 ):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -570,6 +570,14 @@ def cached_keys(cache, b, n, block_table=None):
     return _d(cache.cpu()[blocks, :, j % page].transpose(0, 1))
 
 
+def dequantize_kv(cache, scale):
+    r"""An fp8 cache's values, x = x8 · κ in float64 (exact: 4 significant bits times an
+    fp32 scale), κ a number, a 0-d or (1,) tensor (per tensor) or one per k/v head
+    (dimension 1 of the cache)."""
+    s = _d(scale).cpu().reshape(-1)
+    return _d(cache).cpu() * s[None, :, None, None]
+
+
 def decode_attention(
     q,
     k_cache,
@@ -579,12 +587,19 @@ def decode_attention(
     scale=None,
     window=None,
     softcap=None,
+    k_scale=None,
+    v_scale=None,
 ):
     r"""O[b] = softmax(scale · q[b] K_bᵀ + mask) V_b per row, in float64, where K_b, V_b
     are row b's n_b = cache_seqlens[b] cached keys and values and the S_q queries are
     its last S_q tokens: query i sees keys j ≤ n_b − S_q + i (bottom-right causal; with
     a window also j > n_b − S_q + i − W). A query that sees no key gives 0, as
-    :func:`attention`; a soft cap c makes each score c · tanh(s / c) first."""
+    :func:`attention`; a soft cap c makes each score c · tanh(s / c) first. With
+    scales, the caches are fp8 and dequantized first (:func:`dequantize_kv`)."""
+    if k_scale is not None:
+        k_cache = dequantize_kv(k_cache, k_scale)
+    if v_scale is not None:
+        v_cache = dequantize_kv(v_cache, v_scale)
     q = _d(q).cpu()
     out = torch.zeros_like(q)
     for b, n in enumerate(torch.as_tensor(cache_seqlens).tolist()):

@@ -109,16 +109,18 @@ class Make:
             on_input,
         )
 
-    def __call__(self, *shape, checked=True, scale=1.0, read=False):
+    def __call__(self, *shape, checked=True, scale=1.0, read=False, dtype=None):
+        """``dtype``: another than the case's (an fp8 cache beside bf16 queries)."""
         import torch
 
+        dtype = dtype or self.dtype
         if self.empty and read:  # values the call reads before any launch: zeros
-            t = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            t = torch.zeros(shape, dtype=dtype, device=self.device)
         elif self.empty:
-            t = torch.empty(shape, dtype=self.dtype, device=self.device)
+            t = torch.empty(shape, dtype=dtype, device=self.device)
         else:  # never zeros: a kernel on zeros is trivially right, and flatters
             t = torch.randn(shape, device=self.device, dtype=torch.float32) * scale
-            t = t.to(self.dtype)
+            t = t.to(dtype)
         if checked and len(shape) >= 2 and self.on_input is not None:
             self.on_input(t)
         return t

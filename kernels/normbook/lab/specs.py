@@ -59,6 +59,14 @@ from .kernel_spec import (
     tiny_inputs,
     torch_kwargs,
 )
+from .spec_inputs import (
+    _dequantize_fp8_inputs,
+    _linear_fp8_bytes,
+    _linear_fp8_inputs,
+    _linear_fp8_shapes,
+    _quantize_fp8_bytes,
+    _quantize_fp8_inputs,
+)
 
 __all__ = ["SPECS", "BY_NAME", "Make", "Skip", "tiny_inputs", "torch_kwargs"]
 
@@ -239,21 +247,29 @@ def _row_variance_inputs(M, N, make):
     return {"x": make(M, N)}
 
 
-def _decode_attention_inputs(M, N, make, paged=False):
+def _decode_attention_inputs(M, N, make, paged=False, cache_dtype=None):
     """M requests, one new token each, over a full cache of N tokens (Qwen3-8B's heads;
-    a small model's at N <= 256)."""
+    a small model's at N <= 256); the cache in q's dtype or ``cache_dtype``."""
     hq, hk = DECODE_HEADS if N > 256 else (8, 2)
     d = HEAD_DIM
     out = {"q": make(M, hq, 1, d), "cache_seqlens": make.lengths(M, N)}
-    if not paged:
-        return {**out, "k_cache": make(M, hk, N, d), "v_cache": make(M, hk, N, d)}
-    blocks = M * (N // DECODE_PAGE)
-    return {
-        **out,
-        "k_cache": make(blocks, hk, DECODE_PAGE, d),
-        "v_cache": make(blocks, hk, DECODE_PAGE, d),
-        "block_table": make.table(M, N // DECODE_PAGE),
-    }
+    shape = (M * (N // DECODE_PAGE), hk, DECODE_PAGE, d) if paged else (M, hk, N, d)
+    out["k_cache"] = make(*shape, dtype=cache_dtype)
+    out["v_cache"] = make(*shape, dtype=cache_dtype)
+    if paged:
+        out["block_table"] = make.table(M, N // DECODE_PAGE)
+    return out
+
+
+def _decode_attention_fp8_inputs(M, N, make):
+    """An e4m3 cache (vLLM's fp8) with one scale per k/v head, beside q's dtype. The
+    scales are read before the launch: real values, also for the inspector."""
+    import torch
+
+    a = _decode_attention_inputs(M, N, make, cache_dtype=torch.float8_e4m3fn)
+    hk = a["k_cache"].shape[1]
+    scales = [torch.full((hk,), 2.0**-6, device=make.device) for _ in "kv"]
+    return {**a, "k_scale": scales[0], "v_scale": scales[1]}
 
 
 def _decode_attention_bytes(a, backward):
@@ -292,65 +308,6 @@ def _linear_cross_entropy_bytes(a, backward):
 def _linear_cross_entropy_shapes(smoke):
     """The LM head of Qwen3-8B at 8,192 tokens (smoke: a tiny head)."""
     return [(64, 8, "lm head")] if smoke else [(LCE_SHAPE[0], LCE_SHAPE[2], "lm head")]
-
-
-def _fp8(make, *shape):
-    """e4m3 values: the case's random values cast, or uninitialized; an input whose
-    loads the inspector checks. Scales: positive fp32, one per block of 128."""
-    import torch
-
-    t = torch.empty(shape, dtype=torch.float8_e4m3fn, device=make.device)
-    if not make.empty:
-        t = make(*shape, checked=False).to(torch.float8_e4m3fn)
-    if make.on_input is not None:
-        make.on_input(t)
-    return t, make(shape[0], shape[1] // 128, checked=False).float().abs() + 0.01
-
-
-def _quantize_fp8_inputs(M, N, make, rows=1):
-    """M tokens of a hidden size N (a weight in 128 × 128 tiles: rows=128, M rounded
-    up to a tile)."""
-    return {"x": make(-(-M // rows) * rows, N, scale=4.0)}
-
-
-def _quantize_fp8_bytes(a, backward):
-    x = a["x"]
-    # read x; write q (a byte a value) and a 4-byte scale per block of 128
-    return _bytes(x) + x.numel() + 4 * (x.numel() // 128)
-
-
-def _dequantize_fp8_inputs(M, N, make):
-    """M tokens of N channels in e4m3 and their scales; the case's dtype out."""
-    q, scale = _fp8(make, M, N)
-    return {"q": q, "scale": scale, "out_dtype": make.dtype}
-
-
-def _linear_fp8_inputs(M, N, make, features=3):
-    """M tokens of width K = N through an up projection to 3N features (Qwen3-8B's
-    MLP: 4096 -> 12288); e4m3 operands, per-token and 128 × 128 weight scales; the
-    case's dtype out."""
-    (x_q, x_scale), (w_q, w_scale) = _fp8(make, M, N), _fp8(make, features * N, N)
-    w_scale = w_scale[::128].contiguous()  # a scale per 128 × 128 tile
-    return dict(
-        x_q=x_q, x_scale=x_scale, w_q=w_q, w_scale=w_scale, out_dtype=make.dtype
-    )
-
-
-def _linear_fp8_shapes(smoke):
-    """Prefill and decode at Qwen3-8B's width (smoke: two small ones), not the sweep:
-    the weight grows with N² (3N × N)."""
-    if smoke:
-        return [(16, 256, "sweep"), (1, 256, "decode")]
-    return [(8192, 4096, "prefill"), (1, 4096, "decode"), (64, 4096, "decode")]
-
-
-def _linear_fp8_bytes(a, backward):
-    import torch
-
-    # read both operands and their scales, write y (M, 3N)
-    y = a["x_q"].shape[0] * a["w_q"].shape[0]
-    out = torch.empty((), dtype=a["out_dtype"]).element_size()
-    return _bytes(a["x_q"], a["x_scale"], a["w_q"], a["w_scale"]) + y * out
 
 
 # ---------------------------------------------------------------- the specs
@@ -505,6 +462,9 @@ SPECS = (
             ),
             # Gemma 2's attention cap: the tanh the uncapped kernel compiles without
             Variant("softcap", {"softcap": 50.0}, _NO_FP64),
+            # vLLM's fp8 KV cache: e4m3 tiles converted to q's dtype (sm_90), or
+            # read as bytes and shifted into fp16 (no fp8 e4m3 before sm_89)
+            Variant("fp8kv", {}, _NO_FP64, _decode_attention_fp8_inputs),
         ),
         inspect_s=14,
     ),
@@ -609,6 +569,12 @@ SPECS = (
         tiny=lambda make: _dequantize_fp8_inputs(3, 128, make),
         module="fp8",
         inspect_s=6,
+    ),
+    KernelSpec(
+        "quantize_kv",
+        None,
+        inspect="PyTorch, no Triton kernel",
+        tiny=lambda make: {"x": make(3, 2, 8, 16)},
     ),
     KernelSpec(
         "speculative_sample",
