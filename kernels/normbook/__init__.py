@@ -15,6 +15,7 @@ from .cross_entropy import cross_entropy
 from .decode_attention import decode_attention
 from .fused_add_rms_norm import fused_add_rms_norm
 from .layer_norm import layer_norm
+from .linear import linear, matmul
 from .linear_cross_entropy import linear_cross_entropy
 from .qk_norm_rope import qk_norm_rope
 from .rms_norm import rms_norm
@@ -44,6 +45,8 @@ __all__ = [
     "linear_cross_entropy",
     "decode_attention",
     "speculative_sample",
+    "linear",
+    "matmul",
 ]
 
 

@@ -212,3 +212,44 @@ def _capability(t: torch.Tensor):
         return torch.cuda.get_device_capability(t.device)
     # Compiled mode with CPU tensors: normbook.lab.inspector lowering for a chosen arch
     return None if INTERPRET else torch.cuda.get_device_capability()
+
+
+# ---------------------------------------------------------------- GEMM
+#
+# The tiles of normbook.linear's matrix product, for the GPU it is launched on.
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    num_warps: int
+    num_stages: int
+
+
+def gemm_config(N: int, K: int, dtype: torch.dtype, capability=None) -> GemmConfig:
+    """The tile of ``C (M, N) = A (M, K) · B (K, N)`` for a dtype and GPU (None: the
+    interpreter, which takes sm_80's tiles).
+
+    A function of N, K, the dtype and the GPU, never of M: the tile fixes the order in
+    which K is summed, so a row of C has the same bits in a batch of 1 and of 4096
+    (batch invariance). fp16/bf16 from sm_80 on run on tensor cores: 128 × 128 tiles,
+    K in steps of 64, 8 warps, 3 stages in flight on sm_80 (96 KiB of shared memory) and
+    4 on sm_90 (128 KiB). sm_75 holds 64 KiB: steps of 32, 2 stages. fp32 (IEEE, no
+    TF32) and fp64 multiply with FMAs, every product held in registers: smaller tiles.
+    A narrow N or a short K shrinks its side of the tile (tl.dot needs 16 at least).
+    """
+    cap = (8, 0) if capability is None else tuple(capability)
+    if dtype in (torch.float16, torch.bfloat16):
+        if cap >= (8, 0):
+            bm, bn, bk, warps, stages = 128, 128, 64, 8, 4 if cap >= (9, 0) else 3
+        else:
+            bm, bn, bk, warps, stages = 128, 128, 32, 8, 2
+    elif dtype == torch.float32:
+        bm, bn, bk, warps, stages = 64, 64, 32, 4, 2
+    else:
+        bm, bn, bk, warps, stages = 32, 32, 16, 4, 2
+    bn = min(bn, max(16, triton.next_power_of_2(max(N, 1))))
+    bk = min(bk, max(16, triton.next_power_of_2(max(K, 1))))
+    return GemmConfig(bm, bn, bk, warps, stages)
