@@ -70,8 +70,9 @@ def _poisoned():
 
 @pytest.fixture(scope="module", params=LOW_PRECISION, ids=str)
 def case(request):
-    """x (129, 200), W (300, 200), b (300) of one dtype and y = linear(x, W, b), computed
-    once into poisoned memory; shared by the bound and the batch-invariance tests."""
+    """x (129, 200), W (300, 200), b (300) of one dtype and y = linear(x, W, b),
+    computed once into poisoned memory; shared by the bound and batch-invariance
+    tests."""
     dtype = request.param
     torch.manual_seed(0)
     x, w, b = randn(M, K, dtype=dtype), randn(N, K, dtype=dtype), randn(N, dtype=dtype)
