@@ -38,7 +38,9 @@ from .formulas import (  # noqa: F401  (re-exported: the benchmark imports them 
     torch_cross_entropy,
     torch_fused_add_rms_norm,
     torch_layer_norm,
+    torch_linear,
     torch_linear_cross_entropy,
+    torch_matmul,
     torch_qk_norm_rope,
     torch_rms_norm,
     torch_softmax,
@@ -83,6 +85,8 @@ DECODE_LENGTHS = (1024, 4096, 16384, 32768)
 DECODE_PAGE = 16  # a paged cache's block size (vLLM's default)
 #: The LM head of Qwen3-8B at a training step of 8,192 tokens: (M, V, d).
 LCE_SHAPE = (8192, VOCAB, 4096)
+#: Qwen3-8B's hidden size: the K of its projections (all but down_proj's 12,288).
+HIDDEN = 4096
 
 
 # The GPU day's shapes, (M, N) as the spec's inputs read them.
@@ -291,6 +295,49 @@ def _linear_cross_entropy_shapes(smoke):
     return [(64, 8, "lm head")] if smoke else [(LCE_SHAPE[0], LCE_SHAPE[2], "lm head")]
 
 
+def _width(N):
+    """K of a projection to N features: Qwen3-8B's hidden size; a small model's 64 on
+    the CPU's dry runs (N <= 256), where the interpreter would take K in 128 steps."""
+    return HIDDEN if N > 256 else 64
+
+
+def _linear_inputs(M, N, make):
+    """M tokens of width K (:func:`_width`) through a projection to N features, no
+    bias (Qwen3's projections have none); weights scaled so y stays O(1)."""
+    K = _width(N)
+    return {"x": make(M, K), "weight": make(N, K, scale=K**-0.5)}
+
+
+def _linear_tiny(make):
+    """The tests' call: every argument present, the bias too."""
+    return {"x": make(3, 24), "weight": make(8, 24), "bias": make(8)}
+
+
+def _linear_bytes(a, backward):
+    x, w = a["x"], a["weight"]
+    y = x.new_empty(0).expand(x.shape[0], w.shape[0])  # (M, N): its size, no memory
+    # forward: read x, W; write y. backward: read x, W, dy; write dx, dW
+    return _bytes(x, w, y) if not backward else _bytes(x, w, y, x, w)
+
+
+#: Qwen3-8B's projections on the GPU day: decode and a batch of 64 through q_proj
+#: (4,096 → 4,096), a prefill of 8,192 tokens through q_proj and gate_proj (→ 12,288).
+LINEAR_SHAPES = ((1, 4096), (64, 4096), (8192, 4096), (8192, 12288))
+
+
+def _linear_shapes(smoke):
+    """The benchmark's (M, N, regime): the plan's shapes, not the row sweep (a GEMM's
+    work grows with M·N·K)."""
+    if smoke:
+        return [(16, 256, "prefill"), (1, 256, "decode")]
+    return [(m, n, "decode" if m <= 64 else "prefill") for m, n in LINEAR_SHAPES]
+
+
+def _matmul_inputs(M, N, make):
+    K = _width(N)
+    return {"a": make(M, K), "b": make(K, N, scale=K**-0.5)}
+
+
 # ---------------------------------------------------------------- the specs
 
 _FB = {"forward": "forward", "backward": "backward"}
@@ -421,6 +468,21 @@ SPECS = (
         inspect_s=16,
     ),
     KernelSpec(
+        "linear",
+        _linear_inputs,
+        ("x", "weight"),
+        {},
+        torch_linear,
+        "Liger has no GEMM: its kernels call PyTorch's matmul (cuBLAS)",
+        _linear_bytes,
+        {"forward": "", "backward": ""},
+        _linear_shapes,
+        plan=Plan(LINEAR_SHAPES),
+        inspect_shapes=((1, 4096), (64, 4096), (16384, 4096), (6, 1000)),
+        inspect_dtypes=_NO_FP64,
+        tiny=_linear_tiny,
+    ),
+    KernelSpec(
         "decode_attention",
         _decode_attention_inputs,
         (),
@@ -489,6 +551,17 @@ SPECS = (
                 (".bf16acc", {"acc_dtype": "bfloat16"}, ("fp32",)),
             )
         ),
+    ),
+    KernelSpec(
+        "matmul",
+        _matmul_inputs,
+        ("a", "b"),
+        {},
+        torch_matmul,
+        "Liger has no GEMM",
+        inspect="linear's kernel, b read as stored: inspected through linear",
+        module="linear",
+        tiny=lambda make: {"a": make(3, 24), "b": make(24, 8)},
     ),
     KernelSpec(
         "speculative_sample",
