@@ -39,10 +39,17 @@ dtype adds u_out·|ŷ|, where |ŷ| ≤ |y| + the accumulation error:
 
 **Batch invariance.** The tile sizes are chosen from N, K, the dtype and the GPU
 (:func:`._config.gemm_config`), never from M; K is always walked in the same order
-from 0, in one program (no split-K); M is not a specialization key of the kernel
-(``do_not_specialize``), so one compiled binary serves every M. A row of y therefore
-has the same bits whether it is computed alone or in a batch of any size: what makes
-a served model's answer independent of the other requests in its batch.
+from 0, in one program (no split-K); M is not a specialization key of the forward's
+kernel (``do_not_specialize``), so one compiled binary serves every batch size, and a
+tensor-core instruction treats each row of its tile alike. A row of y therefore has
+the same bits computed alone or in a batch of any size, at any place in it: a served
+model's answer does not depend on the other requests of its batch.
+
+**In the interpreter** ``tl.dot`` is numpy's matmul, whose BLAS blocking sums a row in
+an order that depends on the row's place in the tile (and which garbles bf16). There
+the tile product is written out instead, a product and a sum along K in the
+accumulation dtype, in one order for every element: the same bound, the same
+invariance, and the tests check both bit for bit.
 """
 
 import torch
@@ -60,8 +67,7 @@ GROUP_M = 8
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _gemm(
+def _gemm_tile(
     A,
     B,
     Bias,
@@ -126,9 +132,19 @@ def _gemm(
     tl.store(c_ptrs, round_to(acc, C.dtype.element_ty), mask=mask)
 
 
-def _forward(a: torch.Tensor, b: torch.Tensor, bias=None, out_dtype=None):
+# Two kernels of one body. y = x Wᵀ and δx = δ W: M counts the batch's rows and is no
+# specialization key, so one binary serves every batch size. δW = δᵀ x and db = δᵀ·1:
+# M counts features, and knowing it a multiple of 16 lets A = δᵀ, contiguous along M,
+# load 128 bits at a time (the batch is their K: they sum over it, always in order).
+_gemm = triton.jit(do_not_specialize=["M"])(_gemm_tile)
+_gemm_features = triton.jit(_gemm_tile)
+
+
+def _forward(a, b, bias=None, out_dtype=None, batch_rows=True):
     """C = A·B (+ bias) for a 2-D ``a`` (M, K) and ``b`` (K, N) of one dtype, any
-    strides; a new contiguous (M, N) tensor of ``out_dtype`` (default: a's)."""
+    strides; a new contiguous (M, N) tensor of ``out_dtype`` (default: a's).
+    ``batch_rows``: a's rows are a batch's (:data:`_gemm`), else features
+    (:data:`_gemm_features`)."""
     M, K = a.shape
     N = b.shape[1]
     c = torch.empty((M, N), dtype=out_dtype or a.dtype, device=a.device)
@@ -137,7 +153,7 @@ def _forward(a: torch.Tensor, b: torch.Tensor, bias=None, out_dtype=None):
     cfg = gemm_config(N, K, a.dtype, _capability(a))
     grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
     with device_guard(a):
-        _gemm[grid](
+        (_gemm if batch_rows else _gemm_features)[grid](
             a,
             b,
             c if bias is None else bias,  # c: a placeholder, never read
@@ -173,7 +189,7 @@ def _column_sums(dy2d: torch.Tensor, dtype) -> torch.Tensor:
     """db = δᵀ·1, the column sums of δ (M, N), by the same kernel: fp32, fixed order,
     one rounding to ``dtype``. The ones are a broadcast scalar (stride 0)."""
     ones = dy2d.new_ones(1, 1).expand(dy2d.shape[0], 1)
-    return _forward(dy2d.t(), ones, out_dtype=dtype).view(-1)
+    return _forward(dy2d.t(), ones, out_dtype=dtype, batch_rows=False).view(-1)
 
 
 # ---------------------------------------------------------------- the operators
@@ -208,7 +224,11 @@ def _op_backward(
     # dx = δ (M, N) · W (N, K); dW = δᵀ (N, M) · x (M, K), a sum over the batch in one
     # order; db = δᵀ · 1. Each output its own tensor, even when not computed.
     dx = _forward(dy2d, weight).view(x.shape) if need_x else _library.not_computed(x)
-    dw = _forward(dy2d.t(), _rows(x)) if need_weight else _library.not_computed(x)
+    dw = (
+        _forward(dy2d.t(), _rows(x), batch_rows=False)
+        if need_weight
+        else _library.not_computed(x)
+    )
     db = _column_sums(dy2d, x.dtype) if need_bias else _library.not_computed(x)
     return dx, dw, db
 
@@ -255,7 +275,10 @@ def _op_matmul_backward(
     """``torch.ops.normbook.matmul_backward``: (da, db) = (δ bᵀ, aᵀ δ)."""
     dy2d = _rows(dy.to(a.dtype))
     da = _forward(dy2d, b.t()).view(a.shape) if need_a else _library.not_computed(a)
-    db = _forward(_rows(a).t(), dy2d) if need_b else _library.not_computed(a)
+    if need_b:  # aᵀ δ: a sum over the batch, as δW's
+        db = _forward(_rows(a).t(), dy2d, batch_rows=False)
+    else:
+        db = _library.not_computed(a)
     return da, db
 
 
