@@ -315,7 +315,7 @@ def _linear_tiny(make):
 
 def _linear_bytes(a, backward):
     x, w = a["x"], a["weight"]
-    y = x.new_empty(0).expand(x.shape[0], w.shape[0])  # (M, N): its size, no memory
+    y = x.new_empty(1).expand(x.shape[0], w.shape[0])  # (M, N): its size, no memory
     # forward: read x, W; write y. backward: read x, W, dy; write dx, dW
     return _bytes(x, w, y) if not backward else _bytes(x, w, y, x, w)
 
