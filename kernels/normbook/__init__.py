@@ -16,6 +16,7 @@ from .decode_attention import decode_attention
 from .fp8 import dequantize_fp8, linear_fp8, quantize_fp8
 from .fused_add_rms_norm import fused_add_rms_norm
 from .layer_norm import layer_norm
+from .linear import linear, matmul
 from .linear_cross_entropy import linear_cross_entropy
 from .qk_norm_rope import qk_norm_rope
 from .quantize_kv import quantize_kv
@@ -47,6 +48,8 @@ __all__ = [
     "decode_attention",
     "quantize_kv",
     "speculative_sample",
+    "linear",
+    "matmul",
     "quantize_fp8",
     "dequantize_fp8",
     "linear_fp8",

@@ -212,3 +212,51 @@ def _capability(t: torch.Tensor):
         return torch.cuda.get_device_capability(t.device)
     # Compiled mode with CPU tensors: normbook.lab.inspector lowering for a chosen arch
     return None if INTERPRET else torch.cuda.get_device_capability()
+
+
+# ---------------------------------------------------------------- GEMM
+#
+# The tiles of normbook.linear's matrix product, for the GPU it is launched on.
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    num_warps: int
+    num_stages: int
+
+
+def gemm_config(N: int, K: int, dtype: torch.dtype, capability=None) -> GemmConfig:
+    """The tile of ``C (M, N) = A (M, K) · B (K, N)`` for a dtype and GPU (None: the
+    interpreter, which takes sm_80's tiles).
+
+    A function of N, K, the dtype and the GPU, never of M: the tile fixes the order in
+    which K is summed, so a row of C has the same bits in a batch of 1 and of 4096
+    (batch invariance). fp16/bf16 from sm_80 on run on tensor cores (mma.sync on sm_80,
+    wgmma on sm_90): 128 × 128 tiles, K in steps of 64, 8 warps, 3 stages in flight on
+    sm_80 and 4 on sm_90. The rest multiply with FMAs, the tile's products in
+    registers, 64 × 64 × 32: fp16/bf16 on sm_75 (where this Triton emits no tensor-core
+    code) over 8 warps, 2 stages (4 warps spilled 0.5 KB); fp32 (IEEE, no TF32) over 4
+    warps, 1 stage (with 2, or 8 warps, ptxas spilled 4-20 B on sm_90 or sm_80). fp64
+    (gradient checks): 32 × 32 × 16. A narrow N or a short K shrinks its side of the
+    tile (to 16, tl.dot's least; K to 32 in fp16/bf16). ``ptxas -v``: no spill on
+    sm_90a, sm_80 or sm_75 at Qwen3-8B's shapes and N = 1,000 (Triton 3.9), and every
+    row load 128 bits wide where it is not an asynchronous copy."""
+    cap = (8, 0) if capability is None else tuple(capability)
+    if dtype in (torch.float16, torch.bfloat16):
+        if cap >= (8, 0):
+            bm, bn, bk, warps, stages = 128, 128, 64, 8, 4 if cap >= (9, 0) else 3
+        else:
+            bm, bn, bk, warps, stages = 64, 64, 32, 8, 2
+    elif dtype == torch.float32:
+        bm, bn, bk, warps, stages = 64, 64, 32, 4, 1
+    else:
+        bm, bn, bk, warps, stages = 32, 32, 16, 4, 2
+    bn = min(bn, max(16, triton.next_power_of_2(max(N, 1))))
+    # fp16/bf16 steps of K at least 32: a 64 × 16 tile over 8 warps would give each
+    # thread 64 bits to load
+    least_k = 32 if dtype in (torch.float16, torch.bfloat16) else 16
+    bk = min(bk, max(least_k, triton.next_power_of_2(max(K, 1))))
+    return GemmConfig(bm, bn, bk, warps, stages)

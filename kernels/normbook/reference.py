@@ -553,6 +553,46 @@ def linear_cross_entropy(hidden, weight, target, ignore_index=-100, reduction="m
     return cross_entropy(_d(hidden) @ _d(weight).T, target, ignore_index, reduction)
 
 
+# ---------------------------------------------------------------- the matrix products
+
+
+def linear(x, weight, bias=None):
+    r"""y = x Wᵀ + b, over the last dimension of x (``torch.nn.functional.linear``)."""
+    y = _d(x) @ _d(weight).T
+    return y if bias is None else y + _d(bias)
+
+
+def linear_vjp(x, weight, dy):
+    r"""(dx, dW, db) = (δ W,  δᵀ x,  Σ_rows δ), the rows being every leading index of
+    x and δ."""
+    x2 = _d(x).reshape(-1, x.shape[-1])
+    dy2 = _d(dy).reshape(-1, dy.shape[-1])
+    return (dy2 @ _d(weight)).reshape(x.shape), dy2.T @ x2, dy2.sum(0)
+
+
+def gemm_error_bound(x, weight, dtype, bias=None, u_acc=None):
+    r"""Elementwise bound on |ŷ − y| for y = x Wᵀ + b summed in a dtype of unit
+    roundoff ``u_acc`` (fp32's 2⁻²⁴; fp64's for fp64) and rounded once to ``dtype``:
+
+    .. math:: (1 + u_{out})\,\gamma_{K+1}\bigl(|x|\,|W|^{\mathsf T} + |b|\bigr)
+              + u_{out}\,|y| + \eta, \qquad \gamma_n = \frac{n u}{1 - n u},
+
+    the bias counted as a (K+1)-th product b·1, η half the spacing of ``dtype``'s
+    subnormals (an output that underflows errs absolutely). Any summation order obeys
+    it (Higham, §3.1); fp16/bf16 products are exact in fp32, so for them it is
+    generous by one term."""
+    u_out = torch.finfo(dtype).eps / 2
+    if u_acc is None:
+        u_acc = 2.0**-53 if dtype == f64 else 2.0**-24
+    n = x.shape[-1] + 1
+    gamma = n * u_acc / (1 - n * u_acc)
+    terms = _d(x).abs() @ _d(weight).abs().T
+    if bias is not None:
+        terms = terms + _d(bias).abs()
+    eta = torch.finfo(dtype).tiny * u_out
+    return (1 + u_out) * gamma * terms + u_out * linear(x, weight, bias).abs() + eta
+
+
 # ---------------------------------------------------------------- decoding: KV cache,
 # speculation
 

@@ -88,6 +88,19 @@ def torch_linear_cross_entropy(hidden, weight, target):
     return torch.nn.functional.cross_entropy(logits, target)
 
 
+def torch_linear(x, weight, bias=None):
+    """A projection as Hugging Face's ``nn.Linear`` runs it (cuBLAS on a GPU)."""
+    import torch
+
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def torch_matmul(a, b):
+    import torch
+
+    return torch.matmul(a, b)
+
+
 # ---------------------------------------------------------------- Liger-Kernel
 
 

@@ -6,6 +6,9 @@ top."""
 
 from __future__ import annotations
 
+#: Qwen3-8B's hidden size: the K of its projections (all but down_proj's 12,288).
+HIDDEN = 4096
+
 
 def _bytes(*tensors) -> int:
     from .measure import bytes_moved
@@ -70,3 +73,46 @@ def _linear_fp8_bytes(a, backward):
     y = a["x_q"].shape[0] * a["w_q"].shape[0]
     out = torch.empty((), dtype=a["out_dtype"]).element_size()
     return _bytes(a["x_q"], a["x_scale"], a["w_q"], a["w_scale"]) + y * out
+
+
+def _width(N):
+    """K of a projection to N features: Qwen3-8B's hidden size; a small model's 64 on
+    the CPU's dry runs (N <= 256), where the interpreter would take K in 128 steps."""
+    return HIDDEN if N > 256 else 64
+
+
+def _linear_inputs(M, N, make):
+    """M tokens of width K (:func:`_width`) through a projection to N features, no
+    bias (Qwen3's projections have none); weights scaled so y stays O(1)."""
+    K = _width(N)
+    return {"x": make(M, K), "weight": make(N, K, scale=K**-0.5)}
+
+
+def _linear_tiny(make):
+    """The tests' call: every argument present, the bias too."""
+    return {"x": make(3, 24), "weight": make(8, 24), "bias": make(8)}
+
+
+def _linear_bytes(a, backward):
+    x, w = a["x"], a["weight"]
+    y = x.new_empty(1).expand(x.shape[0], w.shape[0])  # (M, N): its size, no memory
+    # forward: read x, W; write y. backward: read x, W, dy; write dx, dW
+    return _bytes(x, w, y) if not backward else _bytes(x, w, y, x, w)
+
+
+#: Qwen3-8B's projections on the GPU day: decode and a batch of 64 through q_proj
+#: (4,096 → 4,096), a prefill of 8,192 tokens through q_proj and gate_proj (→ 12,288).
+LINEAR_SHAPES = ((1, 4096), (64, 4096), (8192, 4096), (8192, 12288))
+
+
+def _linear_shapes(smoke):
+    """The benchmark's (M, N, regime): the plan's shapes, not the row sweep (a GEMM's
+    work grows with M·N·K)."""
+    if smoke:
+        return [(16, 256, "prefill"), (1, 256, "decode")]
+    return [(m, n, "decode" if m <= 64 else "prefill") for m, n in LINEAR_SHAPES]
+
+
+def _matmul_inputs(M, N, make):
+    K = _width(N)
+    return {"a": make(M, K), "b": make(K, N, scale=K**-0.5)}
