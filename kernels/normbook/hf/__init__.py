@@ -36,7 +36,11 @@ modules, parameters or buffers, so weights and ``state_dict()`` are untouched) a
   (``model.train()``): ``lm_head`` then ``ForCausalLMLoss`` →
   :func:`normbook.linear_cross_entropy`, shifted as ``ForCausalLMLoss``
   (``ignore_index``, ``shift_labels``, ``num_items_in_batch``); ``logits`` is then
-  ``None``: never computed.
+  ``None``: never computed;
+- with ``patch(model, linear=True)``, every ``nn.Linear`` (the projections and
+  ``lm_head``) → :func:`normbook.linear`, so that with the kernels above,
+  batch-invariant too, a request's logits have the same bits alone and batched (a
+  served model's answer does not depend on its neighbours in the batch).
 
 Chosen: in training with ``labels`` the output's ``logits`` is ``None`` (as
 Liger-Kernel's integration does): returning them would mean computing the (tokens ×

@@ -1,6 +1,6 @@
 """The patched forwards of :mod:`normbook.hf` other than attention's: the RMSNorms, the
 decoder layer's fused residual add and norm, the SwiGLU MLP, the causal LM's fused
-loss."""
+loss, and (``patch(model, linear=True)``) the projections."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ import sys
 
 import torch
 
+from .._runtime import DEVICE
 from ..fused_add_rms_norm import fused_add_rms_norm
+from ..linear import DTYPES as LINEAR_DTYPES
+from ..linear import linear
 from ..linear_cross_entropy import _linear_cross_entropy
 from ..rms_norm import rms_norm
 from ..swiglu import swiglu
@@ -103,6 +106,30 @@ def _swiglu_mlp_forward(self, x):
     if gate.dtype != up.dtype or gate.shape != up.shape:
         return self.down_proj(self.act_fn(gate) * up)
     return self.down_proj(swiglu(gate, up))
+
+
+def _linear_forward(self, input: torch.Tensor) -> torch.Tensor:
+    """``nn.Linear`` on :func:`normbook.linear`: a row's output does not depend on the
+    other rows of its batch (the GEMM's tiles never follow the number of rows), so a
+    request's logits are the same alone and batched. Under autocast the input, weight
+    and bias are cast to autocast's dtype first, as ``F.linear``'s are. Where the kernel
+    cannot compute what the module computes (a dtype it lacks, input and weight in two
+    dtypes, which ``nn.Linear`` refuses, another device) the module's own forward runs.
+    """
+    weight, bias = self.weight, self.bias
+    cast = _autocast_dtype(input)
+    if cast is not None:
+        input, weight = input.to(cast), weight.to(cast)
+        bias = None if bias is None else bias.to(cast)
+    if (
+        input.dtype == weight.dtype in LINEAR_DTYPES
+        and (bias is None or bias.dtype == weight.dtype)
+        and input.device == weight.device
+        and input.device.type == DEVICE.type
+        and input.dim() >= 1
+    ):
+        return linear(input, weight, bias)
+    return type(self).forward(self, input)
 
 
 def _causal_lm_forward(

@@ -19,6 +19,7 @@ from ._forwards import (
     _causal_lm_forward,
     _decoder_layer_forward,
     _gemma_rms_norm_forward,
+    _linear_forward,
     _rms_norm_forward,
     _swiglu_mlp_forward,
 )
@@ -132,6 +133,7 @@ _PATCHED_FORWARDS = (
     _phi3_mlp_forward,
     _experts_forward,
     _causal_lm_forward,
+    _linear_forward,
 )  # unpatch removes only these
 
 
@@ -171,7 +173,7 @@ def _check_model(model) -> str:
     return model_type
 
 
-def patch(model: nn.Module, *, strict: bool = False) -> nn.Module:
+def patch(model: nn.Module, *, strict: bool = False, linear: bool = False) -> nn.Module:
     """Make ``model`` run this package's kernels; returns the same model (patched in
     place).
 
@@ -189,6 +191,15 @@ def patch(model: nn.Module, *, strict: bool = False) -> nn.Module:
     Attention masks the kernels do not compute (see :mod:`normbook.hf`) run on
     transformers' attention with a warning; with ``strict=True`` they raise a
     ``ValueError`` instead, at the forward that meets them.
+
+    With ``linear=True`` every ``torch.nn.Linear`` of the model (the projections q, k,
+    v, o, gate, up, down of each decoder layer, and ``lm_head``) runs
+    :func:`normbook.linear` too: with the kernels above, which are batch-invariant as
+    well, a request's logits then have the same bits alone and in any batch (of
+    requests of its length: padding changes the attention's layout). ``linear=False``
+    (the default) leaves them on PyTorch, and restores any a previous
+    ``patch(model, linear=True)`` replaced. The fused loss of training with labels keeps
+    its own products.
 
     Raises:
         TypeError: ``model`` is not a supported transformers model (see
@@ -223,6 +234,11 @@ def patch(model: nn.Module, *, strict: bool = False) -> nn.Module:
             _set_forward(module, _experts_forward)
         elif _is_transformers_class(module, _CAUSAL_LMS):
             _set_forward(module, _causal_lm_forward)
+        elif type(module) is nn.Linear and linear:  # not a subclass (quantized, LoRA)
+            _set_forward(module, _linear_forward)
+        elif type(module) is nn.Linear and _patched_fn(module) is _linear_forward:
+            del module.forward  # linear=False: nn.Linear's own forward again
+            module.__dict__.pop("_normbook_strict", None)
     for module in model.modules():
         if _ours(module):  # read by the attention (a plain attribute: no state)
             module._normbook_strict = bool(strict)
