@@ -34,7 +34,7 @@ dtype adds u_out·|ŷ|, where |ŷ| ≤ |y| + the accumulation error:
 .. math:: |\mathrm{fl}(y_{ij}) - y_{ij}| \le (1 + u_{out})\,\gamma_{K+1}
           \Bigl(\sum_k |x_{ik} w_{jk}| + |b_j|\Bigr) + u_{out}\,|y_{ij}| ,
 
-``normbook.reference.gemm_error_bound``. fp32 inputs are multiplied in IEEE fp32
+``normbook.bounds.gemm_error_bound``. fp32 inputs are multiplied in IEEE fp32
 (``input_precision="ieee"``), never silently in TF32 (u = 2⁻¹¹), which would break it.
 
 **Batch invariance.** The tile sizes are chosen from N, K, the dtype and the GPU

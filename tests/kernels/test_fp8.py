@@ -28,7 +28,7 @@ import torch
 from conftest import assert_rejected_before_launch, on_cpu, randn
 
 import normbook
-from normbook import DEVICE, dequantize_fp8, linear_fp8, quantize_fp8
+from normbook import DEVICE, bounds, dequantize_fp8, linear_fp8, quantize_fp8
 from normbook import reference as ref
 
 fp8 = importlib.import_module("normbook.fp8")
@@ -96,7 +96,7 @@ def test_q_and_scale_equal_pytorch(fmt, block, dtype, poison_empty):
 
 def _planted(fmt):
     """Values of x / s (s = 1: the block's amax is fmax) where rounding is delicate."""
-    m, e_min = ref.FP8[FMTS[fmt]]
+    m, e_min = bounds.FP8[FMTS[fmt]]
     sub = 2.0 ** (e_min - m)  # the subnormal spacing
     v = [FMAX[fmt], 31.6, 15.9, 31.99, 0.99, 1.0 - 2.0**-7, 17.0, 19.0, 2.5, 3.5]
     # just below every power of two from the smallest normal up: rounds up (carry)
@@ -161,7 +161,7 @@ def test_a_tiny_block_keeps_a_normal_scale(dtype):
     q, s = _assert_quantized(x.to(DEVICE), (1, 128), "e4m3")
     assert on_cpu(s).flatten().tolist() == [2.0**-126, 2.0**-126]
     err = (ref.dequantize_fp8(on_cpu(q), on_cpu(s)) - x.double()).abs()
-    assert bool((err <= ref.fp8_round_trip_bound(x, on_cpu(s), FMTS["e4m3"])).all())
+    assert bool((err <= bounds.fp8_round_trip_bound(x, on_cpu(s), FMTS["e4m3"])).all())
 
 
 @pytest.mark.parametrize("fmt", FMTS)
@@ -202,7 +202,7 @@ def _round_trip_ratio(x, block, fmt):
     q, s = quantize_fp8(x, block=block, fmt=fmt)
     q, s, x = on_cpu(q, s, x)
     err = (ref.dequantize_fp8(q, s, block) - x.double()).abs()
-    return (err / ref.fp8_round_trip_bound(x, s, FMTS[fmt], block)).max().item()
+    return (err / bounds.fp8_round_trip_bound(x, s, FMTS[fmt], block)).max().item()
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=str)
@@ -264,7 +264,7 @@ def _assert_linear(x_q, x_s, w_q, w_s, out_dtype, **blocks):
     assert y.dtype == out_dtype and y.shape == (x_q.shape[0], w_q.shape[0])
     args = on_cpu(x_q, x_s, w_q, w_s)
     want = ref.linear_fp8(*args, **blocks)
-    bound = ref.linear_fp8_bound(*args, out_dtype, u_acc=_u_acc(), **blocks)
+    bound = bounds.linear_fp8_bound(*args, out_dtype, u_acc=_u_acc(), **blocks)
     err = (on_cpu(y).double() - want).abs()
     assert bool((err <= bound).all()), (err / bound).max().item()
     return y

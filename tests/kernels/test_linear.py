@@ -2,7 +2,7 @@
 (normbook.reference), and their batch invariance, bit for bit.
 
 Tolerance: the derived bound of the module's docstring, elementwise,
-``reference.gemm_error_bound`` = (1 + u_out)·γ_{K+1}·(|x|·|W|ᵀ + |b|) + u_out·|y| + η,
+``bounds.gemm_error_bound`` = (1 + u_out)·γ_{K+1}·(|x|·|W|ᵀ + |b|) + u_out·|y| + η,
 γ_n = n·u/(1 − n·u) with the fp32 accumulation's u = 2⁻²⁴. Inputs are rounded to their
 dtype first and the reference reads the same rounded values. The bound is loose by
 about √K on the accumulation, but it is tight where it matters: a dropped K tile errs
@@ -32,7 +32,7 @@ from conftest import (
     randn,
 )
 
-from normbook import DEVICE, linear, matmul
+from normbook import DEVICE, bounds, linear, matmul
 from normbook import reference as ref
 from normbook._config import gemm_config
 
@@ -91,7 +91,7 @@ def test_forward_within_the_derived_bound(case):
     dtype, x, w, b, y = case
     assert y.shape == (M, N) and y.dtype == dtype
     x, w, b, y = on_cpu(x, w, b, y)
-    _assert_within(y, ref.linear(x, w, b), ref.gemm_error_bound(x, w, dtype, b), "y")
+    _assert_within(y, ref.linear(x, w, b), bounds.gemm_error_bound(x, w, dtype, b), "y")
 
 
 def test_batch_invariance_bitwise(case):
@@ -128,7 +128,7 @@ def test_small_and_odd_shapes(xs, n, dtype, poison_empty):
         assert y.shape == F.linear(x.float(), w.float()).shape
         xc, wc, bc, yc = on_cpu(x, w, bias, y)
         want = ref.linear(xc, wc, bc)
-        _assert_within(yc, want, ref.gemm_error_bound(xc, wc, dtype, bc), "y")
+        _assert_within(yc, want, bounds.gemm_error_bound(xc, wc, dtype, bc), "y")
 
 
 def test_empty_sizes(poison_empty):
@@ -171,14 +171,14 @@ def test_nan_and_inf_propagate(dtype):
     y, xc, wc = on_cpu(linear(x, w), x, w)
     want = ref.linear(xc, wc)
     assert torch.isnan(want[0]).all() and torch.isnan(want[1, 1])
-    _assert_within(y, want, ref.gemm_error_bound(xc, wc, dtype).nan_to_num(), "y")
+    _assert_within(y, want, bounds.gemm_error_bound(xc, wc, dtype).nan_to_num(), "y")
 
 
 def test_matmul_within_the_derived_bound():
     a, b = randn(2, 5, 70), randn(70, 30)
     y, ac, bc = on_cpu(matmul(a, b), a, b)
     want = ref.linear(ac, bc.T)
-    _assert_within(y, want, ref.gemm_error_bound(ac, bc.T, torch.float32), "a @ b")
+    _assert_within(y, want, bounds.gemm_error_bound(ac, bc.T, torch.float32), "a @ b")
 
 
 def _accumulated_in(dtype, x, w, block_k, drop_last=False):
@@ -199,7 +199,7 @@ def test_the_bound_sees_the_bugs_it_guards(dtype):
     torch.manual_seed(0)
     x, w = randn(M, K, dtype=dtype).cpu().double(), randn(N, K, dtype=dtype).cpu()
     w = w.double()
-    bound = ref.gemm_error_bound(x, w, dtype)
+    bound = bounds.gemm_error_bound(x, w, dtype)
     want = ref.linear(x, w)
     bk = gemm_config(N, K, dtype).BLOCK_K
     for drop in (False, True):
@@ -303,9 +303,9 @@ def test_gradients_within_the_derived_bound(grads):
     want_dx, want_dw, want_db = ref.linear_vjp(x, w, dy)
     d2, x2 = dy.reshape(-1, 50), x.reshape(-1, 70)
     ones = torch.ones(1, d2.shape[0])
-    _assert_within(dx, want_dx, ref.gemm_error_bound(dy, w.T, dtype), "dx")
-    _assert_within(dw, want_dw, ref.gemm_error_bound(d2.T, x2.T, dtype), "dW")
-    _assert_within(db, want_db, ref.gemm_error_bound(d2.T, ones, dtype)[:, 0], "db")
+    _assert_within(dx, want_dx, bounds.gemm_error_bound(dy, w.T, dtype), "dx")
+    _assert_within(dw, want_dw, bounds.gemm_error_bound(d2.T, x2.T, dtype), "dW")
+    _assert_within(db, want_db, bounds.gemm_error_bound(d2.T, ones, dtype)[:, 0], "db")
 
 
 def test_weight_gradient_is_deterministic(grads):
@@ -344,8 +344,8 @@ def test_matmul_gradients():
     ac, bc, dyc = on_cpu(a, b, dy)
     want_da, want_dwt, _ = ref.linear_vjp(ac, bc.T, dyc)
     d2, a2 = dyc.reshape(-1, 24), ac.reshape(-1, 40)
-    _assert_within(da, want_da, ref.gemm_error_bound(dyc, bc, torch.float32), "da")
-    bound = ref.gemm_error_bound(a2.T, d2.T, torch.float32)
+    _assert_within(da, want_da, bounds.gemm_error_bound(dyc, bc, torch.float32), "da")
+    bound = bounds.gemm_error_bound(a2.T, d2.T, torch.float32)
     _assert_within(db, want_dwt.T, bound, "db")
 
 
