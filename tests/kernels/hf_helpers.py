@@ -1,6 +1,19 @@
-"""What the tests of normbook.hf share: counting which kernels a patched model calls."""
+"""What the tests of normbook.hf share: a tiny model's sizes, and counting which kernels
+a patched model calls."""
 
 import normbook.hf as hf
+
+#: A tiny decoder's sizes (2 layers, GQA 4:2, head_dim 16), for any family's config; the
+#: vocabulary is each test file's own.
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=64,
+)
 
 #: The kernels normbook.hf's forwards call, by the names they call them.
 KERNELS = (

@@ -27,7 +27,7 @@ from normbook import DEVICE
 
 transformers = pytest.importorskip("transformers")
 hf = pytest.importorskip("normbook.hf")
-from hf_helpers import count_kernels  # noqa: E402
+from hf_helpers import TINY, count_kernels  # noqa: E402
 from transformers import (  # noqa: E402
     Gemma2Config,
     Gemma2ForCausalLM,
@@ -45,17 +45,9 @@ from transformers import (  # noqa: E402
     Qwen3MoeForCausalLM,
 )
 
-VOCAB, LAYERS, WINDOW = 64, 2, 4
-SMALL = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=LAYERS,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=64,
-)
+VOCAB, WINDOW = 64, 4
+LAYERS = TINY["num_hidden_layers"]
+SMALL = dict(TINY, vocab_size=VOCAB)
 MOE = dict(num_experts_per_tok=2)
 # token ids within the vocabulary (the families' defaults are their real tokenizers')
 TOKENS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)

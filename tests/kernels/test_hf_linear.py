@@ -29,19 +29,12 @@ from normbook import DEVICE
 
 transformers = pytest.importorskip("transformers")
 hf = pytest.importorskip("normbook.hf")
+from hf_helpers import TINY  # noqa: E402
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
-VOCAB, SEQ, LAYERS = 128, 8, 2
-CONFIG = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=LAYERS,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=64,
-)
+VOCAB, SEQ = 128, 8
+LAYERS = TINY["num_hidden_layers"]
+CONFIG = dict(TINY, vocab_size=VOCAB)
 PROJECTIONS = 7 * LAYERS + 1  # q, k, v, o, gate, up, down per layer; lm_head
 
 
