@@ -52,9 +52,39 @@
       if (box) cue(box, m, box.scrollWidth > box.clientWidth + 2, "equation");
     });
   }
+  // The table of contents on a phone. pydata-sphinx-theme 0.17 binds its sidebar dialogs to
+  // the first .primary-toggle / .secondary-toggle in the page, a button in its own header that
+  // sphinx-book-theme hides; the toggles a reader sees (the article header's) get no listener
+  // and a tap does nothing (pydata/pydata-sphinx-theme#2451). A tap on a visible toggle is
+  // passed to the bound one, which opens the dialog. At laptop width the primary toggle hides
+  // and shows the sidebar (the theme's own button there opens it as a dialog).
+  function wide() {
+    return window.matchMedia("(min-width: 992px)").matches;
+  }
+  function navigation() {
+    ["primary", "secondary"].forEach(function (side) {
+      var all = document.querySelectorAll("." + side + "-toggle");
+      var bound = all[0];
+      for (var i = 1; i < all.length; i++) {
+        all[i].addEventListener("click", function (e) {
+          e.preventDefault();
+          e.stopImmediatePropagation();
+          if (side === "primary" && wide()) {
+            var hidden = document.documentElement.classList.toggle("book-nav-hidden");
+            e.currentTarget.setAttribute("aria-expanded", hidden ? "false" : "true");
+          } else {
+            bound.click();
+          }
+        }, true);
+      }
+    });
+  }
   function all() { downloads(); numbers(); scrollCues(); }
   if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", all);
   else all();
+  if (document.readyState === "loading") {
+    document.addEventListener("DOMContentLoaded", navigation);
+  } else navigation();
   window.addEventListener("resize", scrollCues);
   // Math typeset after load can widen a table: look again once the page and MathJax are done.
   window.addEventListener("load", function () {

@@ -361,3 +361,60 @@ def test_interactive_figures_work_offline_and_their_sliders_move_the_data(
         assert not blocked, f"{page_path}: requests left the page: {blocked}"
     finally:
         discard(browser, server, page_path, 390)
+
+
+@pytest.mark.changes_page  # it opens and closes the sidebars: after the page's other tests
+@pytest.mark.parametrize("page_path", PAGES)
+def test_table_of_contents_opens_on_a_phone(browser, server, page_path):  # noqa: F811
+    """At 390 px a tap on the visible ☰ opens the table of contents (every chapter's link
+    on screen) and a tap on the list icon opens the page's contents; a tap beside them closes
+    them (pydata-sphinx-theme 0.17 binds only hidden toggles: _ext/static/book.js)."""
+    page, _ = open_view(browser, server, page_path, 390)
+    try:
+        for side, link in (("primary", "a.reference"), ("secondary", "a")):
+            toggle = page.locator(f".{side}-toggle:visible")
+            if side == "secondary" and not page.locator(".bd-toc-nav a").count():
+                continue  # a page without sections has no contents to open
+            assert toggle.count() == 1, f"{page_path}: {toggle.count()} {side} toggles shown"
+            toggle.click()
+            dialog = page.locator(f"#pst-{side}-sidebar-modal")
+            page.wait_for_function(
+                "d => d.open", arg=dialog.element_handle(), timeout=3000
+            )
+            box = dialog.bounding_box()
+            assert box and box["width"] >= 200 and box["x"] >= 0, f"{side}: {box}"
+            links = dialog.locator(f"{link}:visible")
+            if side == "primary":
+                texts = " ".join(links.all_inner_texts())
+                missing = [t for t in ("Sampling", "fp8", "LayerNorm") if t not in texts]
+                assert not missing, f"{page_path}: table of contents lacks {missing}"
+            # the backdrop, beside the drawer (the contents' drawer comes from the right)
+            page.mouse.click(385 if box["x"] < 50 else 5, 780)
+            page.wait_for_function(
+                "d => !d.open", arg=dialog.element_handle(), timeout=3000
+            )
+    finally:
+        discard(browser, server, page_path, 390)
+
+
+@pytest.mark.changes_page
+@pytest.mark.parametrize("page_path", PAGES)
+def test_one_search_box_and_a_sidebar_toggle_at_laptop_width(
+    browser, server, page_path
+):  # noqa: F811
+    page, _ = open_view(browser, server, page_path, 1366)
+    try:
+        shown = page.evaluate(
+            "() => [...document.querySelectorAll('.search-button-field, .search-button')]"
+            ".filter(e => e.getClientRects().length"
+            " && getComputedStyle(e).visibility !== 'hidden').length"
+        )
+        assert shown == 1, f"{page_path} at 1366 px: {shown} search boxes shown"
+        sidebar = page.locator("#pst-primary-sidebar")
+        assert sidebar.is_visible()
+        page.locator(".primary-toggle:visible").click()
+        assert not sidebar.is_visible(), f"{page_path}: ☰ left the sidebar shown"
+        page.locator(".primary-toggle:visible").click()
+        assert sidebar.is_visible(), f"{page_path}: ☰ did not bring the sidebar back"
+    finally:
+        discard(browser, server, page_path, 1366)
