@@ -3,9 +3,13 @@ the Colab button opening the Colab edition, and a download button that saves a .
 
 - ``_ext/static/book.css`` (dark-mode tables, padding, numbers on one line, a scroll cue on
   phones) and ``book.js`` (the download attribute; the scroll cue) are added to every page.
-- ``plotly.min.js`` is copied from the installed plotly package into the build's ``_static`` and
-  loaded (synchronously, in the head) only by pages that contain an interactive figure: no CDN,
-  the page works offline.
+- plotly.js is served from ``_ext/static/vendor/plotly-basic.min.js``: plotly.js's "basic"
+  partial bundle (scatter traces, sliders and menus: what the book's figures use; 1.2 MB
+  against 4.8 MB for the whole library), of the version the installed plotly package writes
+  its figures for (tests/book/test_html.py checks both). Only pages that contain an
+  interactive figure load it, deferred: the text paints first, the figures draw once it has
+  run. Each figure's fallback to the network (for Jupyter and Colab) is cut from the page:
+  no request leaves it, and it works offline.
 - The Colab launch button opens the chapter in the branch ``colab_edition_branch`` (default
   ``colab``), where the pages workflow publishes the Colab edition (tools/colab_edition.py).
 - The download button gives the same Colab edition (``_ext/colab_edition.py``, glued values from
@@ -14,32 +18,45 @@ the Colab button opening the Colab edition, and a download button that saves a .
 """
 
 import pathlib
-import shutil
 import sys
+
+from docutils import nodes
 
 HERE = pathlib.Path(__file__).resolve().parent
 PLOTLY_MARK = "plotly-graph-div"
 
 
-def _plotly_js() -> pathlib.Path | None:
-    try:
-        import plotly
-    except ImportError:
-        return None
-    path = pathlib.Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
-    return path if path.exists() else None
+PLOTLY_JS = "vendor/plotly-basic.min.js"
 
 
 def _static_dir(app):
-    """A folder of generated static files (plotly.min.js), added to html_static_path."""
-    out = pathlib.Path(app.outdir).parent / "book_pages_static"
-    out.mkdir(parents=True, exist_ok=True)
-    js = _plotly_js()
-    if js is not None:
-        shutil.copyfile(js, out / "plotly.min.js")
-    for extra in (str(HERE / "static"), str(out)):
+    for extra in (str(HERE / "static"),):
         if extra not in app.config.html_static_path:
             app.config.html_static_path.append(extra)
+
+
+def _without_fallback(body: str) -> str:
+    """The figures' scripts without their network fallback (between two FALLBACK marks)."""
+    from normbook.lab.notebook import FALLBACK
+
+    mark = f"/*{FALLBACK}*/"
+    parts = body.split(mark)
+    if len(parts) % 2 == 0:
+        raise ValueError(f"unpaired {mark} in a page's body")
+    return "".join(parts[0::2])
+
+
+def _unique_ids(app, doctree, docname):
+    """sphinx-exercise gives every exercise's body the id ``exercise-content`` and every
+    solution's ``solution-content``: several on one page, which HTML forbids (a link or a
+    script finds only the first). Numbered instead, in page order; nothing refers to them."""
+    seen: dict[str, int] = {}
+    for node in doctree.findall(nodes.Element):
+        ids = node.get("ids") or []
+        for i, name in enumerate(ids):
+            if name in ("exercise-content", "solution-content"):
+                seen[name] = seen.get(name, 0) + 1
+                ids[i] = f"{name}-{seen[name]}"
 
 
 def _buttons(buttons):
@@ -56,9 +73,11 @@ def _page(app, pagename, templatename, context, doctree):
         if "colab.research.google.com" in url and branch:
             b["url"] = url.replace(f"/blob/{repo_branch}/", f"/blob/{branch}/", 1)
     if PLOTLY_MARK in (context.get("body") or ""):
+        context["body"] = _without_fallback(context["body"])
+        # this page only; deferred: it runs after parsing, and the figures wait for it
         app.add_js_file(
-            "plotly.min.js", priority=100
-        )  # this page only, before the figures
+            PLOTLY_JS, priority=100, loading_method="defer", id="book-plotly"
+        )
 
 
 def _downloads(app, exception):
@@ -85,5 +104,6 @@ def setup(app):
     app.add_css_file("book.css")
     app.add_js_file("book.js", loading_method="defer")
     app.connect("html-page-context", _page, priority=900)
+    app.connect("doctree-resolved", _unique_ids)
     app.connect("build-finished", _downloads)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

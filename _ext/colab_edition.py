@@ -401,6 +401,23 @@ def _solution_heading(n: str) -> str:
     )
 
 
+def _folded_title(cell: dict, src: str) -> str | None:
+    """The title of a code cell that the site folds or removes (tools/tidy_cells.py's
+    convention), folded in Colab too; None for a cell shown as it is."""
+    tags = set(cell.get("metadata", {}).get("tags", []))
+    if "setup" in tags:
+        return None
+    if "remove-cell" in tags:
+        return "Numbers for the text (open to read, run as it is)"
+    if tags & {"hide-input", "hide-cell"}:
+        first = src.lstrip().split("\n", 1)[0]
+        what = (
+            first.lstrip("# ").rstrip(".:") if first.startswith("#") else "Helper code"
+        )
+        return f"{what[:70]} (open to read)"
+    return None
+
+
 def convert(nb: dict, page: str, conv: Converter, note: str) -> dict:
     """The chapter as plain Jupyter: markdown converted, outputs cleared, and every gated
     solution (solution-start … solution-end) folded: its text in ``<details>`` (a fold cannot
@@ -445,6 +462,10 @@ def convert(nb: dict, page: str, conv: Converter, note: str) -> dict:
                 cell["metadata"]["cellView"] = (
                     "form"  # Colab: the title shows, the code folds
                 )
+            elif cell["cell_type"] == "code" and (title := _folded_title(cell, src)):
+                cell["source"] = f"# @title {title}\n" + src
+                cell["metadata"].setdefault("jupyter", {})["source_hidden"] = True
+                cell["metadata"]["cellView"] = "form"
         cells.append(cell)
     # the note goes right after the title cell
     title_at = next(

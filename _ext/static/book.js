@@ -45,6 +45,24 @@
       }
       cue(box, box, box.scrollWidth > box.clientWidth + 2, "table");
     });
+    // Inline math wider than its line cannot wrap (MathJax sets a formula in one box): it is
+    // set on a line of its own that scrolls (book.css), with the cue above it.
+    document.querySelectorAll("main article mjx-container:not([display='true'])").forEach(
+      function (m) {
+        var block = m.parentElement;
+        while (block && getComputedStyle(block).display.indexOf("inline") === 0) {
+          block = block.parentElement;
+        }
+        if (!block) return;
+        var cs = getComputedStyle(block);
+        var room = block.clientWidth - parseFloat(cs.paddingLeft) - parseFloat(cs.paddingRight);
+        var own = m.classList.contains("math-wide");
+        var width = own ? m.scrollWidth : m.getBoundingClientRect().width;
+        var wideNow = width > room + 1;
+        if (wideNow !== own) m.classList.toggle("math-wide", wideNow);
+        if (wideNow || own) cue(m, m, wideNow && m.scrollWidth > m.clientWidth + 2, "formula");
+      }
+    );
     // A display equation scrolls in its MathJax container (book.css); the cue goes above the
     // equation's block.
     document.querySelectorAll("main div.math").forEach(function (m) {
@@ -79,6 +97,40 @@
       }
     });
   }
+  // Search results quote the page's text; its math is LaTeX until MathJax runs, so the
+  // snippet would read "\\frac{x_i}{r}". Sphinx's search reads each page through
+  // Search.htmlToText: give it the math as plain text (Greek letters as symbols, commands
+  // and braces dropped) before it takes the words around the match.
+  var GREEK = {alpha: "α", beta: "β", gamma: "γ", delta: "δ", epsilon: "ε", eta: "η",
+    theta: "θ", lambda: "λ", mu: "μ", pi: "π", rho: "ρ", sigma: "σ", tau: "τ", phi: "φ",
+    psi: "ψ", omega: "ω", Sigma: "Σ", Delta: "Δ", cdot: "·", times: "×", le: "≤", ge: "≥",
+    leq: "≤", geq: "≥", approx: "≈", ne: "≠", neq: "≠", infty: "∞", sum: "Σ", sqrt: "√",
+    partial: "∂", to: "→", in: "∈", ell: "ℓ", prime: "′", ldots: "…", dots: "…"};
+  function plainMath(tex) {
+    return tex
+      .replace(/^\\[(\[]|\\[)\]]$/g, "")
+      .replace(/\\(?:t?frac|dfrac)\{([^{}]*)\}\{([^{}]*)\}/g, "($1)/($2)")
+      .replace(/\\([A-Za-z]+)/g, function (m, name) {
+        return GREEK.hasOwnProperty(name) ? GREEK[name] : " ";
+      })
+      .replace(/\\[,;:!| ]/g, " ")
+      .replace(/[{}&]/g, "")
+      .replace(/\s+/g, " ")
+      .trim();
+  }
+  function plainSearchSnippets() {
+    if (typeof Search === "undefined" || !Search.htmlToText || Search.bookPlain) return;
+    var toText = Search.htmlToText;
+    Search.htmlToText = function (html, anchor) {
+      var doc = new DOMParser().parseFromString(html, "text/html");
+      doc.querySelectorAll(".math, mjx-container").forEach(function (el) {
+        el.replaceWith(doc.createTextNode(" " + plainMath(el.textContent) + " "));
+      });
+      return toText(doc.documentElement.outerHTML, anchor);
+    };
+    Search.bookPlain = true;
+  }
+  plainSearchSnippets();
   function all() { downloads(); numbers(); scrollCues(); }
   if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", all);
   else all();

@@ -98,6 +98,13 @@ async () => {
       if (tr) size *= parseFloat(tr[1]);
       smallest = Math.min(smallest, size * scale); n++;
     }
+    // Text drawn as paths (svg.fonttype "path"): each text is a group of glyphs at
+    // scale(size / 100), matplotlib's glyph units, under a group named text_N.
+    for (const g of svg.querySelectorAll("g[id^='text_'] > g[transform*='scale(']")) {
+      const size = 100 * parseFloat(g.getAttribute("transform").match(/scale\(([\d.]+)/)[1]);
+      if (!size) continue;
+      smallest = Math.min(smallest, size * scale); n++;
+    }
     out.push({src: img.src.split("/").pop().slice(0, 12), shown: img.clientWidth, width, texts: n,
               smallest_px: Math.round(smallest * 100) / 100});
   }
@@ -159,6 +166,44 @@ EQUATIONS_JS = r"""
 
 # Every figure of the page (matplotlib's <img>, plotly's card) with the filter and background the
 # page draws it with.
+# Math cut off: a formula (inline or display) in the article with part of its box hidden by
+# an ancestor that clips without scrolling (or past the screen's edge). A formula inside a box
+# that scrolls is not cut off. Returns [{display, hidden px, text}].
+CLIPPED_MATH_JS = r"""
+() => {
+  const out = [];
+  document.querySelectorAll("main article mjx-container").forEach(m => {
+    const r = m.getBoundingClientRect();
+    if (!r.width) return;
+    let hidden = Math.max(0, r.right - window.innerWidth, -r.left);
+    let scrolled = false;
+    for (let p = m.parentElement; p && p !== document.body; p = p.parentElement) {
+      const ps = getComputedStyle(p);
+      const ox = ps.overflowX;
+      if (ox === "visible" || ps.display === "inline") continue;  // an inline box clips nothing
+      const c = p.getBoundingClientRect();
+      const cut = Math.max(0, r.right - c.right, c.left - r.left);
+      if (cut <= 1) continue;
+      if (ox === "auto" || ox === "scroll") { scrolled = true; break; }
+      hidden = Math.max(hidden, cut);
+      break;
+    }
+    // the formula's own box, where it clips (a wide one scrolls inside it: book.css)
+    const own = getComputedStyle(m).overflowX;
+    const inner = m.scrollWidth - m.clientWidth;
+    if (m.clientWidth && inner > 2 && (own === "hidden" || own === "clip")) {
+      hidden = Math.max(hidden, inner);
+    }
+    if (!scrolled && hidden > 1) {
+      const where = m.closest("p, li, td, th, div.math, h1, h2, h3, h4, dd, dt");
+      out.push({display: m.getAttribute("display") === "true", hidden: Math.round(hidden),
+                text: where ? where.textContent.trim().slice(0, 70) : ""});
+    }
+  });
+  return out;
+}
+"""
+
 FIGURES_LOOK_JS = r"""
 () => [...document.querySelectorAll("main .cell_output img, main .cell_output .book-interactive")]
   .filter(e => e.getBoundingClientRect().width > 0)

@@ -19,6 +19,7 @@ import page_checks
 import pytest
 from book_build import ROOT
 from page_checks import (
+    CLIPPED_MATH_JS,
     CONTRAST_JS,
     EQUATIONS_JS,
     FIGURE_TEXT_JS,
@@ -187,6 +188,21 @@ def test_wide_equations_scroll_with_a_cue(browser, server, page_path):  # noqa: 
         assert not bad, (
             f"{page_path} at 390 px: equations cut off or scrolling without a cue: {bad[:4]}"
         )
+    finally:
+        page.context.close()
+
+
+@pytest.mark.parametrize("width", [390, 1366])
+@pytest.mark.parametrize("page_path", PAGES)
+def test_no_math_is_cut_off(browser, server, page_path, width):  # noqa: F811
+    """No formula loses part of its box, inline or display, at 390 or 1366 px: one too wide for
+    its line gets a line of its own that scrolls, with a cue (book.js)."""
+    page, _ = open_view(browser, server, page_path, width)
+    try:
+        page.evaluate("() => window.MathJax && MathJax.startup && MathJax.startup.promise")
+        page.wait_for_timeout(300)  # book.js looks again once MathJax is done
+        cut = page.evaluate(CLIPPED_MATH_JS)
+        assert not cut, f"{page_path} at {width} px: {len(cut)} formulas cut off: {cut[:4]}"
     finally:
         page.context.close()
 

@@ -45,8 +45,10 @@ def _sharp_figures() -> None:
     points is shown at 358/W of its size there, so a 12 pt label in a 6.4 in (461 pt)
     figure is about 9.3 px tall (tests/book/test_pages.py asks for 9). Hence: every text
     at least ``font.size`` (titles and legends too), figures at most 6.4 in wide,
-    several panels stacked one per row. Text stays text (``svg.fonttype = "none"``),
-    which the page tests can measure.
+    several panels stacked one per row. Text is drawn as paths (``svg.fonttype =
+    "path"``): with text kept as text, mathtext's glyphs name fonts a browser does not
+    have (``$\\mathcal{N}$`` in STIXNonUnicode, a prime as cmsy10's "0", a square root
+    apart from its bar), and a reader sees boxes and wrong symbols.
     """
     try:
         import matplotlib
@@ -55,7 +57,7 @@ def _sharp_figures() -> None:
         return
     matplotlib.rcParams.update(
         {
-            "svg.fonttype": "none",
+            "svg.fonttype": "path",
             "font.size": 12,
             "figure.figsize": (6.0, 4.0),
             "axes.titlesize": "medium",
@@ -106,14 +108,22 @@ def glue(name: str, value, display: bool = True) -> None:
     _glue(name, value, display=display)
 
 
+#: Marks, on both sides, the part of a figure's script that loads plotly.js from the
+#: network: the book's pages drop it (``_ext/book_pages.py``).
+FALLBACK = "plotly-from-network"
+
+
 class InteractiveFigure:
     """A plotly figure that works in the built book, in Jupyter and in Colab.
 
-    It displays as one HTML output: a ``<div>`` and a script that draws the figure with
-    the page's ``Plotly``. The book serves ``plotly.min.js`` from its own ``_static``
-    (``_ext/book_pages.py`` loads it on pages with such a figure), so the page needs no
+    It displays as one HTML output: a ``<div>`` and a script that draws the figure
+    with the page's ``Plotly``. The book serves a partial bundle of plotly.js (scatter
+    traces, sliders and menus) from its own ``_static``, deferred so that it does not
+    hold up the page's first paint (``_ext/book_pages.py``, which also cuts the
+    fallback below from the page): the script waits for it, and the page needs no
     network. Where no ``Plotly`` is loaded (Jupyter, Colab), the script loads the
-    plotly.js version of the installed plotly package.
+    plotly.js version of the installed plotly package, the one thing that needs the
+    network.
     """
 
     def __init__(self, fig, height: int = 440):
@@ -139,10 +149,13 @@ width:100%;"></div> <script type="text/javascript"> (function () {{
                    {{responsive: true, displayModeBar: false, scrollZoom: false}});
   }}
   if (window.Plotly) {{ draw(); return; }}
-  var s = document.createElement("script");
+  if (document.getElementById("book-plotly")) {{
+    window.addEventListener("DOMContentLoaded", draw); return;
+  }}
+  /*{FALLBACK}*/var s = document.createElement("script");
   s.src = {json.dumps(cdn)};
   s.onload = draw;
-  document.head.appendChild(s);
+  document.head.appendChild(s);/*{FALLBACK}*/
 }})();
 </script>
 </div>"""
