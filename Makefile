@@ -36,10 +36,12 @@ $(STAMP): requirements.txt pyproject.toml
 # The chapters are executed first, one kernel per core, into the build's execution cache (a
 # failing chapter stops here); the build then renders them (_config.yml: execute_notebooks: cache).
 # Unchanged chapters on unchanged kernels/ are not executed again (tools/execute_chapters.py).
-book: $(STAMP)
+book: $(STAMP) browser
 	$(PY) tools/sync_setup_cells.py --check
 	$(PY) tools/execute_chapters.py
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going --builder html
+	@# the whole book as one PDF, printed by Chromium (tools/book_pdf.py); the intro links it
+	$(PY) tools/book_pdf.py _build/html
 	@echo "Book built: file://$(CURDIR)/_build/html/index.html"
 
 # Debian's Chromium for the browser tests (Playwright's own browser download is not used).

@@ -69,3 +69,36 @@ def test_search_snippets_show_no_raw_latex(browser, server):  # noqa: F811
         assert not blocked
     finally:
         context.close()
+
+
+def _ids(path, cache={}):  # noqa: B006 (a cache across the pages of one run)
+    if path not in cache:
+        cache[path] = set(re.findall(r'\sid="([^"]+)"', path.read_text()))
+    return cache[path]
+
+
+@pytest.mark.parametrize("page_path", PAGES)
+def test_internal_links_resolve(built_html, page_path):
+    """Every link and source of the page that stays in the book names a file that exists and,
+    with a fragment, an element of that file. The PDF is made after the HTML (`make book`;
+    tests/book/test_pdf.py prints its own)."""
+    import book_pdf
+
+    page = built_html / f"{page_path}.html"
+    html = page.read_text()
+    bad = []
+    for url in re.findall(r'\s(?:href|src)="([^"]+)"', html):
+        if re.match(r"[a-z]+:", url) or url.startswith("//"):
+            continue
+        path, _, frag = url.partition("#")
+        path = path.split("?")[0]
+        target = (page.parent / path).resolve() if path else page
+        if target.name == book_pdf.NAME and target.parent == built_html.resolve():
+            continue
+        if target.is_dir():
+            target = target / "index.html"
+        if not target.exists():
+            bad.append(url)
+        elif frag and target.suffix == ".html" and frag not in _ids(target):
+            bad.append(url)
+    assert not bad, f"{page_path}: links that lead nowhere: {sorted(set(bad))[:8]}"

@@ -1,0 +1,144 @@
+"""The whole book as one PDF, printed from the built HTML by Chromium (the browser the tests
+use), offline: every page of _toc.yml in order, with its executed outputs, figures and typeset
+math, merged into one file with a bookmark per page.
+
+Each page is served from a local port (the HTML's own assets; every other request is
+refused), printed once MathJax has typeset it and every interactive figure is drawn, on A4
+with the theme's print styles (no sidebars, no buttons), its title and page numbers in the
+footer. `make book` runs it after the HTML build; the intro links the result.
+
+Usage: ``python tools/book_pdf.py [HTML_DIR] [--out PATH]`` (default ``_build/html``, written
+to ``HTML_DIR/normbook.pdf``). Needs Chromium (``apt-get install chromium``) and Playwright.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import http.server
+import pathlib
+import shutil
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from chapters import ROOT, toc_files  # noqa: E402
+
+NAME = "normbook.pdf"
+FOOTER = (
+    '<div style="font-size:8px;width:100%;text-align:center;color:#555;">'
+    '<span class="title"></span> · <span class="pageNumber"></span></div>'
+)
+
+
+class _Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+@contextlib.contextmanager
+def serve(folder: pathlib.Path):
+    handler = functools.partial(_Quiet, directory=str(folder))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+
+
+def _ready(page) -> None:
+    """MathJax done, every interactive figure drawn, fonts loaded."""
+    page.evaluate(
+        "async () => { const s = window.MathJax && MathJax.startup;"
+        " if (s && s.promise) await s.promise; await document.fonts.ready; }"
+    )
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('.plotly-graph-div')]"
+        ".every(d => d._fullLayout)",
+        timeout=60000,
+    )
+
+
+def print_book(html: pathlib.Path, out: pathlib.Path, chromium: str) -> int:
+    """Print every page of the table of contents into ``out``; returns its page count."""
+    from playwright.sync_api import sync_playwright
+    from pypdf import PdfReader, PdfWriter
+
+    pages = toc_files()
+    missing = [p for p in pages if not (html / f"{p}.html").exists()]
+    if missing:
+        raise FileNotFoundError(f"not built: {missing} (in {html})")
+    writer = PdfWriter()
+    with tempfile.TemporaryDirectory() as tmp, serve(html) as server:
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=chromium)
+            context = browser.new_context(viewport={"width": 1100, "height": 1400})
+            context.route(
+                "**/*",
+                lambda r: (
+                    r.continue_() if r.request.url.startswith(server) else r.abort()
+                ),
+            )
+            page = context.new_page()
+            for name in pages:
+                page.goto(f"{server}/{name}.html", wait_until="load")
+                _ready(page)
+                title = (
+                    page.evaluate(
+                        "() => (document.querySelector('main h1') || {}).textContent || ''"
+                    )
+                    .replace("#", "")
+                    .strip()
+                )
+                part = pathlib.Path(tmp) / (name.replace("/", "_") + ".pdf")
+                page.pdf(
+                    path=str(part),
+                    format="A4",
+                    margin={
+                        "top": "16mm",
+                        "bottom": "16mm",
+                        "left": "14mm",
+                        "right": "14mm",
+                    },
+                    print_background=False,
+                    display_header_footer=True,
+                    header_template="<div></div>",
+                    footer_template=FOOTER,
+                )
+                start = len(writer.pages)
+                writer.append(PdfReader(str(part)))
+                writer.add_outline_item(title=title or name, page_number=start)
+            browser.close()
+        writer.add_metadata(
+            {"/Title": "The Numerics of an LLM Layer, from Formula to Triton Kernel"}
+        )
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "wb") as f:
+            writer.write(f)
+    return len(writer.pages)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("html", nargs="?", default=str(ROOT / "_build" / "html"))
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    html = pathlib.Path(args.html).resolve()
+    out = pathlib.Path(args.out) if args.out else html / NAME
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        print("book_pdf: Chromium not found (apt-get install chromium): no PDF")
+        return 1
+    t0 = time.perf_counter()
+    n = print_book(html, out, chromium)
+    print(f"PDF: {out} ({n} pages, {time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
