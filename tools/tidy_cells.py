@@ -73,7 +73,11 @@ def _writes(stmts: list[ast.stmt]) -> set[str]:
             if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del)):
                 out.add(n.id)
             target = None
-            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+            if (
+                isinstance(n, ast.Call)
+                and isinstance(n.func, ast.Attribute)
+                and n.func.attr not in SAFE_METHODS
+            ):
                 target = n.func.value
             elif isinstance(n, (ast.Subscript, ast.Attribute)) and isinstance(
                 n.ctx, (ast.Store, ast.Del)
@@ -98,7 +102,7 @@ def split(source: str) -> tuple[str, str] | None:
     for k, stmt in enumerate(body):
         if not is_glue(stmt):
             continue
-        later = _writes(body[k + 1 :])
+        later = _writes([s for s in body[k + 1 :] if not is_glue(s)])
         if _calls_are_safe(stmt.value) and not (_reads(stmt.value) & later):
             moving.append(stmt)
     if not moving:
