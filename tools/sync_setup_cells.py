@@ -13,7 +13,9 @@ import sys
 import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TAGS = ["setup", "remove-input"]
+# Removed from the site: its one printed line ("Kernels run on ...") would open every page;
+# the intro says once where the book's kernels ran. Notebooks (Colab, Jupyter) still show it.
+TAGS = ["setup", "remove-cell"]
 
 
 def book_modules() -> list[str]:

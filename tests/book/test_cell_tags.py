@@ -94,5 +94,5 @@ def test_colab_edition_folds_what_the_site_hides():
     assert title.startswith("Draw it")
     assert colab_edition._folded_title(cell([], "x"), "x") is None
     assert (
-        colab_edition._folded_title(cell(["setup", "remove-input"], "x"), "x") is None
+        colab_edition._folded_title(cell(["setup", "remove-cell"], "x"), "x") is None
     )

@@ -13,12 +13,10 @@ import torch
 
 from normbook._runtime import DEVICE
 
-CPU_NOTE = (
-    "No GPU here: the kernels ran in Triton's CPU interpreter, which executes one "
-    "program\n"
-    "at a time in Python. Its timings say nothing about GPU speed, so none are shown.\n"
-    "Run this chapter on a GPU (for example in Colab) to see live figures."
-)
+#: What a timing cell prints without a GPU: one line. The introduction says once why
+#: (the interpreter runs one program at a time in Python: its times say nothing about a
+#: GPU).
+CPU_NOTE = "Not timed: no GPU here (the introduction says why); a GPU run times it."
 
 
 def bytes_moved(*tensors: torch.Tensor | None) -> int:
