@@ -26,6 +26,10 @@ class GPU:
     smem: int = 228 * 1024  # shared memory per SM, bytes
     # shared memory the system reserves per CTA (sm_80 and newer)
     smem_reserved: int = 1024
+    # datasheet peaks, flop/s, dense: fp32 on the vector units; 16-bit inputs on the
+    # tensor cores with fp32 accumulation (bf16, or fp16 where there is no bf16)
+    fp32_flops: float = 0.0
+    tensor_flops: float = 0.0
 
 
 GPUS = {
@@ -35,9 +39,30 @@ GPUS = {
         3.35e12,
         2048,
         32,
+        fp32_flops=67e12,
+        tensor_flops=989e12,
     ),
-    80: GPU("A100 SXM4 80GB (108 SMs)", 108, 2.039e12, 2048, 32, smem=164 * 1024),
-    75: GPU("T4 (40 SMs)", 40, 320e9, 1024, 16, smem=64 * 1024, smem_reserved=0),
+    80: GPU(
+        "A100 SXM4 80GB (108 SMs)",
+        108,
+        2.039e12,
+        2048,
+        32,
+        smem=164 * 1024,
+        fp32_flops=19.5e12,
+        tensor_flops=312e12,
+    ),
+    75: GPU(
+        "T4 (40 SMs)",
+        40,
+        320e9,
+        1024,
+        16,
+        smem=64 * 1024,
+        smem_reserved=0,
+        fp32_flops=8.1e12,
+        tensor_flops=65e12,
+    ),
 }
 
 #: DRAM latency assumed for Little's law, in nanoseconds. Pointer-chasing
