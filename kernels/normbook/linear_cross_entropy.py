@@ -6,8 +6,10 @@ logits take 2.49 GB in bf16, their gradient as much again; both are temporaries 
 scalar loss.
 
 The design: **chunks, cuBLAS for the products, this package's cross-entropy kernels
-between them** (Liger-Kernel's fused linear cross-entropy chunks the same way; Cut
-Cross-Entropy instead fuses vocabulary tiles into its own matmul kernel):
+between them** (Liger-Kernel's fused linear cross-entropy chunks the rows too, but
+computes dh and dW inside the forward, three products and no recompute, with dW
+accumulated across the chunks; Cut Cross-Entropy fuses vocabulary tiles into its own
+matmul kernels and adds dh and dW under locks):
 
 - *forward*, over chunks of rows: ``z = h_chunk @ Wᵀ`` (cuBLAS, rounded to h's dtype as
   ``F.linear`` rounds it), then ``normbook.cross_entropy``'s forward kernel gives each
@@ -25,7 +27,8 @@ for no (M, V) tensor and no backward precomputed in the forward (which would hol
 fp32). What it reuses: the two cross-entropy kernels, tested elsewhere, and cuBLAS's
 matmuls, which a hand-written tile loop would have to match first.
 
-Chunk rule: ``CHUNKS = 8`` pieces each way, so a logits chunk is 1/8 of the logits. Peak
+Chunk rule: ``CHUNKS = 8`` pieces each way, so a logits chunk is about 1/8 of the logits
+(rounded up: ceil(M/8) rows, or a vocabulary block aligned to VOCAB_ALIGN words). Peak
 extra memory: the forward's chunk, M·V/8 elements; the backward's block, M·V/8 elements,
 plus the fp32 dh accumulator and one (M, d) product, M·d·(4 + e) bytes (e: bytes per
 element). That is at most 1/4 of the logits' M·V·e bytes whenever V ≥ 8·d·(4 + e)/e
@@ -301,8 +304,8 @@ def linear_cross_entropy(
     Returns the loss in hidden's dtype, computed in fp32 from logits rounded to hidden's
     dtype (what ``F.linear`` gives). As ``F.cross_entropy``: ``"mean"`` over no counted
     row is NaN and its gradients are 0. Differentiable in ``hidden`` and ``weight``;
-    no intermediate holds more than 1/8 of the (M, V) logits (see the module's docstring
-    for the chunk rule).
+    no intermediate holds more than about 1/8 of the (M, V) logits, rounded up to whole
+    rows and aligned vocabulary blocks (see the module's docstring for the chunk rule).
     Deterministic: a fixed order of products and sums for a given shape.
 
     Raises:
