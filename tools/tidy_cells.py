@@ -14,9 +14,10 @@ The book's convention for cell tags, which the site (myst-nb), the Colab edition
 A ``glue(...)`` statement moves only where moving it cannot change what it glues: it is a
 statement of the cell's top level; no later statement of the cell assigns a name its
 arguments read, calls a method of it or sets an item of it; and its arguments call nothing
-but conversions (``float``, ``int``, ``round``, ``abs``, ``min``, ``max``, ``len``, ``str``,
-``sum``, ``.item()``, ``.tolist()``), so that no random number is drawn out of order. A cell
-made only of ``glue`` calls is tagged ``remove-cell`` itself.
+but conversions and reductions (``float``, ``round``, ``len``, ``.item()``, ``.max()``,
+``math.log``, ``np.log10`` …: SAFE_CALLS, SAFE_METHODS, SAFE_MODULES), so that no random
+number is drawn out of order. A cell made only of ``glue`` calls is tagged ``remove-cell``
+itself.
 
 Usage: ``python tools/tidy_cells.py [--check] [CHAPTER ...]``; then ``tools/clean_notebooks.py``.
 """
@@ -32,7 +33,40 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 MAX_VISIBLE_LINES = 40
 HIDDEN = {"remove-cell", "remove-input", "hide-input", "hide-cell"}
 SAFE_CALLS = {"float", "int", "round", "abs", "min", "max", "len", "str", "sum", "bool"}
-SAFE_METHODS = {"item", "tolist"}
+#: Methods that read a value and draw nothing (a tensor's reductions and conversions).
+SAFE_METHODS = {
+    "item",
+    "tolist",
+    "numpy",
+    "cpu",
+    "double",
+    "float",
+    "max",
+    "min",
+    "mean",
+    "sum",
+    "abs",
+    "norm",
+    "std",
+    "var",
+    "argmax",
+    "argmin",
+    "all",
+    "any",
+    "numel",
+    "sqrt",
+    "log",
+    "log2",
+    "log10",
+    "exp",
+    "prod",
+    "amax",
+    "amin",
+    "replace",
+    "split",
+}
+#: Modules whose functions are pure arithmetic.
+SAFE_MODULES = {"math", "np"}
 
 
 def is_glue(stmt: ast.stmt) -> bool:
@@ -51,6 +85,13 @@ def _calls_are_safe(node: ast.AST) -> bool:
             if isinstance(f, ast.Name) and f.id in SAFE_CALLS:
                 continue
             if isinstance(f, ast.Attribute) and f.attr in SAFE_METHODS:
+                continue
+            if (
+                isinstance(f, ast.Attribute)
+                and isinstance(f.value, ast.Name)
+                and f.value.id in SAFE_MODULES
+                and "rand" not in f.attr
+            ):
                 continue
             return False
     return True
