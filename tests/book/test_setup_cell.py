@@ -61,6 +61,17 @@ def test_every_chapter_carries_the_generated_cell():
         )
 
 
+def test_the_website_shows_neither_the_cell_nor_its_line():
+    """The line the cell prints (where the kernels run) is the same on every page: the
+    introduction says it once, and the set-up cell is removed from the website whole.
+    Jupyter and Colab, which ignore the tag, still show both."""
+    assert sync_setup_cells.TAGS == ["setup", "remove-cell"]
+    for path in chapters.notebooks():
+        nb = nbformat.read(path, as_version=4)
+        (cell,) = [c for c in nb.cells if "setup" in c.metadata.get("tags", [])]
+        assert cell.metadata.tags == ["setup", "remove-cell"], path.name
+
+
 def test_setup_cell_fits_88_columns_and_pins_the_configured_branch():
     src = sync_setup_cells.setup_source()
     assert max(len(line) for line in src.splitlines()) <= 88

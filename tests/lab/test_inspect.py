@@ -223,6 +223,20 @@ def test_occupancy_and_littles_law():
     )
 
 
+def test_datasheets_are_the_inspectors_gpus_and_cited():
+    """One source for the published figures: the inspector's GPU of each architecture
+    is its datasheet's, and every datasheet names a bibliography entry."""
+    bib = (inspector.ROOT / "references.bib").read_text()
+    for d in inspector.DATASHEETS.values():
+        gpu = inspector.GPUS[d.arch]
+        assert gpu.sms == d.sms
+        assert d.name.startswith("H200") or gpu.bandwidth == d.bandwidth
+        for key in (d.source, d.l2_source):
+            assert key is None or f"{{{key}," in bib, key
+        # the tensor cores' peak is above the CUDA cores' on every product listed
+        assert d.tensor16 > d.fp32 > 0
+
+
 def test_ptx_reader_traces_addresses_to_arguments():
     ptx = """
     ld.param.b64 %rd1, [k_param_0];

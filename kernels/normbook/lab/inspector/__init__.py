@@ -58,10 +58,12 @@ from . import compiler as _compiler
 from .cli import main
 from .gpus import (
     ARCHS,
+    DATASHEETS,
     DTYPES,
     GPU,
     GPUS,
     LATENCY_NS,
+    Datasheet,
     littles_law_bytes,
     measured_gpu,
     occupancy,
@@ -86,7 +88,9 @@ __all__ = [
     "ARCHS",
     "COLUMNS",
     "DATA",
+    "DATASHEETS",
     "DTYPES",
+    "Datasheet",
     "GPU",
     "GPUS",
     "LATENCY_NS",

@@ -26,42 +26,73 @@ class GPU:
     smem: int = 228 * 1024  # shared memory per SM, bytes
     # shared memory the system reserves per CTA (sm_80 and newer)
     smem_reserved: int = 1024
-    # datasheet peaks, flop/s, dense: fp32 on the vector units; 16-bit inputs on the
-    # tensor cores with fp32 accumulation (bf16, or fp16 where there is no bf16)
-    fp32_flops: float = 0.0
-    tensor_flops: float = 0.0
 
+
+@dataclass(frozen=True)
+class Datasheet:
+    """One product's published figures, as NVIDIA prints them: peaks of the hardware,
+    not measurements (a kernel reaches a fraction of each). ``source`` is the key of the
+    document in the book's bibliography; the L2 sizes come from the architecture
+    whitepapers (``l2_source``), as the datasheets do not print them."""
+
+    name: str
+    arch: int  # compute capability (90: sm_90), the key of GPUS
+    sms: int
+    memory_gb: float  # device memory, GB as printed (HBM; GDDR6 on the T4)
+    bandwidth: float  # bytes/s, peak of that memory
+    fp32: float  # flop/s of the CUDA cores (no tensor cores)
+    # flop/s of the tensor cores on bf16 (T4: fp16) inputs, dense: the H100 and H200
+    # datasheets print twice this, "with sparsity"
+    tensor16: float
+    l2_mb: float | None  # L2 cache, MB as printed; None where no document gives it
+    source: str
+    l2_source: str | None = None
+
+
+# fmt: off
+DATASHEETS = {
+    d.name: d
+    for d in (
+        Datasheet(
+            "H100 SXM", 90, 132, 80, 3.35e12, 67e12, 1979e12 / 2, 50,
+            "nvidia2023h100", "nvidia2022hopper",
+        ),
+        Datasheet(
+            "H200 SXM", 90, 132, 141, 4.8e12, 67e12, 1979e12 / 2, None,
+            "nvidia2024h200",
+        ),
+        Datasheet(
+            "A100 SXM4 80GB", 80, 108, 80, 2.039e12, 19.5e12, 312e12, 40,
+            "nvidia2021a100", "nvidia2020ampere",
+        ),
+        Datasheet(
+            "T4", 75, 40, 16, 320e9, 8.1e12, 65e12, 4,
+            "nvidia2019t4", "nvidia2018turing",
+        ),
+    )
+}
+# fmt: on
+
+_H100, _A100, _T4 = (DATASHEETS[k] for k in ("H100 SXM", "A100 SXM4 80GB", "T4"))
 
 GPUS = {
     90: GPU(
         "H100 SXM (132 SMs; an H200 has the same SMs and 4.8 TB/s)",
-        132,
-        3.35e12,
+        _H100.sms,
+        _H100.bandwidth,
         2048,
         32,
-        fp32_flops=67e12,
-        tensor_flops=989e12,
     ),
     80: GPU(
         "A100 SXM4 80GB (108 SMs)",
-        108,
-        2.039e12,
+        _A100.sms,
+        _A100.bandwidth,
         2048,
         32,
         smem=164 * 1024,
-        fp32_flops=19.5e12,
-        tensor_flops=312e12,
     ),
     75: GPU(
-        "T4 (40 SMs)",
-        40,
-        320e9,
-        1024,
-        16,
-        smem=64 * 1024,
-        smem_reserved=0,
-        fp32_flops=8.1e12,
-        tensor_flops=65e12,
+        "T4 (40 SMs)", _T4.sms, _T4.bandwidth, 1024, 16, smem=64 * 1024, smem_reserved=0
     ),
 }
 
