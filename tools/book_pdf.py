@@ -68,62 +68,74 @@ def _ready(page) -> None:
     )
 
 
-def print_book(html: pathlib.Path, out: pathlib.Path, chromium: str) -> int:
-    """Print every page of the table of contents into ``out``; returns its page count."""
+def print_book(
+    html: pathlib.Path, out: pathlib.Path, chromium: str | None = None, browser=None
+) -> int:
+    """Print every page of the table of contents into ``out``; returns its page count.
+    ``browser``: a Playwright browser already running (the tests'), else Chromium at
+    ``chromium`` is launched for the job."""
     from playwright.sync_api import sync_playwright
-    from pypdf import PdfReader, PdfWriter
 
     pages = toc_files()
     missing = [p for p in pages if not (html / f"{p}.html").exists()]
     if missing:
         raise FileNotFoundError(f"not built: {missing} (in {html})")
+    if browser is not None:
+        return _print_pages(browser, html, out, pages)
+    with sync_playwright() as pw:
+        launched = pw.chromium.launch(executable_path=chromium)
+        try:
+            return _print_pages(launched, html, out, pages)
+        finally:
+            launched.close()
+
+
+def _print_pages(browser, html: pathlib.Path, out: pathlib.Path, pages) -> int:
+    from pypdf import PdfReader, PdfWriter
+
     writer = PdfWriter()
     with tempfile.TemporaryDirectory() as tmp, serve(html) as server:
-        with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=chromium)
-            context = browser.new_context(viewport={"width": 1100, "height": 1400})
-            context.route(
-                "**/*",
-                lambda r: (
-                    r.continue_() if r.request.url.startswith(server) else r.abort()
-                ),
-            )
-            page = context.new_page()
-            for name in pages:
-                page.goto(f"{server}/{name}.html", wait_until="load")
-                _ready(page)
-                title = (
-                    page.evaluate(
-                        "() => (document.querySelector('main h1') || {}).textContent || ''"
-                    )
-                    .replace("#", "")
-                    .strip()
-                )
-                part = pathlib.Path(tmp) / (name.replace("/", "_") + ".pdf")
-                page.pdf(
-                    path=str(part),
-                    format="A4",
-                    margin={
-                        "top": "16mm",
-                        "bottom": "16mm",
-                        "left": "14mm",
-                        "right": "14mm",
-                    },
-                    print_background=False,
-                    display_header_footer=True,
-                    header_template="<div></div>",
-                    footer_template=FOOTER,
-                )
-                start = len(writer.pages)
-                writer.append(PdfReader(str(part)))
-                writer.add_outline_item(title=title or name, page_number=start)
-            browser.close()
-        writer.add_metadata(
-            {"/Title": "The Numerics of an LLM Layer, from Formula to Triton Kernel"}
+        context = browser.new_context(viewport={"width": 1100, "height": 1400})
+        context.route(
+            "**/*",
+            lambda r: r.continue_() if r.request.url.startswith(server) else r.abort(),
         )
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with open(out, "wb") as f:
-            writer.write(f)
+        page = context.new_page()
+        for name in pages:
+            page.goto(f"{server}/{name}.html", wait_until="load")
+            _ready(page)
+            title = page.evaluate(
+                "() => (document.querySelector('main h1') || {}).textContent || ''"
+            )
+            part = pathlib.Path(tmp) / (name.replace("/", "_") + ".pdf")
+            page.pdf(
+                path=str(part),
+                format="A4",
+                # at 0.8 the text column is about as wide as on a laptop: what fits
+                # there fits here (paper cannot scroll a wide formula or table)
+                scale=0.8,
+                margin={
+                    "top": "14mm",
+                    "bottom": "14mm",
+                    "left": "12mm",
+                    "right": "12mm",
+                },
+                print_background=False,
+                display_header_footer=True,
+                header_template="<div></div>",
+                footer_template=FOOTER,
+            )
+            start = len(writer.pages)
+            writer.append(PdfReader(str(part)))
+            title = title.replace("#", "").strip() or name
+            writer.add_outline_item(title=title, page_number=start)
+        context.close()
+    writer.add_metadata(
+        {"/Title": "The Numerics of an LLM Layer, from Formula to Triton Kernel"}
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "wb") as f:
+        writer.write(f)
     return len(writer.pages)
 
 

@@ -15,12 +15,13 @@ MIN_PAGES = 100
 
 
 @pytest.fixture(scope="module")
-def pdf(built_html, tmp_path_factory):
+def pdf(built_html, browser, tmp_path_factory):  # noqa: F811
     pytest.importorskip("pypdf")
     import book_pdf
 
     out = tmp_path_factory.mktemp("pdf") / book_pdf.NAME
-    book_pdf.print_book(built_html, out, CHROMIUM)
+    # the worker's browser: a second sync Playwright cannot start in its process
+    book_pdf.print_book(built_html, out, browser=browser)
     from pypdf import PdfReader
 
     return PdfReader(str(out))
