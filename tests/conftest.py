@@ -127,21 +127,12 @@ def built_html(executed_book, pytestconfig):
 
 @pytest.fixture(scope="session")
 def server(built_html):
-    """The built HTML served on a local port (the browser tests: browser_pages.py)."""
-    import functools
-    import http.server
-    import threading
+    """The built HTML served on a local port (the browser tests: browser_pages.py), by the
+    server the book's PDF is printed from (tools/book_pdf.py)."""
+    import book_pdf
 
-    class Quiet(http.server.SimpleHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
-    handler = functools.partial(Quiet, directory=str(built_html))
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
+    with book_pdf.serve(built_html) as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

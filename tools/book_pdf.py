@@ -45,6 +45,7 @@ class _Quiet(http.server.SimpleHTTPRequestHandler):
 
 @contextlib.contextmanager
 def serve(folder: pathlib.Path):
+    """``folder`` on a local port, quietly; yields its URL (also the tests' server)."""
     handler = functools.partial(_Quiet, directory=str(folder))
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
