@@ -30,9 +30,10 @@ PLOTLY_JS = "vendor/plotly-basic.min.js"
 
 
 def _static_dir(app):
-    for extra in (str(HERE / "static"),):
-        if extra not in app.config.html_static_path:
-            app.config.html_static_path.append(extra)
+    """_ext/static (book.css, book.js, the vendored plotly.js, the favicon) in the build."""
+    static = str(HERE / "static")
+    if static not in app.config.html_static_path:
+        app.config.html_static_path.append(static)
 
 
 def _without_fallback(body: str) -> str:
