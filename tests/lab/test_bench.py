@@ -72,12 +72,9 @@ def test_smoke_run_covers_every_case_and_provider(smoke):
             assert mine[0]["status"] == "skipped" and mine[0]["note"]
             continue
         assert {r["provider"] for r in mine} == set(bench.PROVIDERS)
-        if (
-            case.shapes is not None
-        ):  # a case with its own shapes (decode_attention: M, cache)
-            assert {(r["M"], r["N"], r["regime"]) for r in mine} == set(
-                case.shapes(True)
-            )
+        own = case.shapes(True) if case.shapes else None
+        if own is not None:  # a case with its own shapes (decode_attention: M, cache)
+            assert {(r["M"], r["N"], r["regime"]) for r in mine} == set(own)
         else:
             assert {r["N"] for r in mine} == (
                 set(bench.SMOKE_SWEEP) | {n for _, n in bench.SMOKE_DECODE}

@@ -84,13 +84,29 @@ class Case:
     build: Callable[[int, int, torch.dtype, torch.device], Problem]
     target: str = ""  # key of TARGETS
     # Its own (M, N, regime) shapes, given smoke: True/False, instead of the sweep and
-    # the decode shapes (decode_attention: M requests, N cached tokens each). None: the
-    # default.
+    # the decode shapes (decode_attention: M requests, N cached tokens each). None, or
+    # a function that returns None: the default.
     shapes: Callable[[bool], list] | None = None
+    #: (M, N, dtype) -> the bytes the case must move (problem_nbytes)
+    count: Callable[[int, int, torch.dtype], int] | None = None
 
     @property
     def name(self) -> str:
         return f"{self.kernel}.{self.direction}"
+
+    def nbytes(self, M: int, N: int, dtype) -> int:
+        """The bytes the case must move at (M, N): what ``build(...).nbytes`` says,
+        without building or running anything."""
+        return self.count(M, N, dtype)
+
+
+def problem_nbytes(spec, direction: str, M: int, N: int, dtype) -> int:
+    """A case's byte count at (M, N), from its inputs made on PyTorch's meta device:
+    shapes, no memory, and no forward run (a backward case's ``problem`` runs one to
+    shape its gradients, minutes in the interpreter at a real model's sizes)."""
+    make = Make(dtype, torch.device("meta"))
+    args = spec.inputs(max(M, spec.min_rows.get(direction, 1)), N, make)
+    return spec.nbytes(args, direction == "backward")
 
 
 def problem(spec, direction: str, M: int, N: int, dtype, device) -> Problem:
@@ -149,6 +165,7 @@ def _case(spec, direction: str) -> Case:
         lambda M, N, dt, dev: problem(spec, direction, M, N, dt, dev),
         spec.bench[direction],
         spec.bench_shapes,
+        lambda M, N, dt: problem_nbytes(spec, direction, M, N, dt),
     )
 
 

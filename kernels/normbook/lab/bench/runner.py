@@ -384,7 +384,7 @@ def run(
     for case in cases:
         _run_case(
             case,
-            case.shapes(smoke) if case.shapes else shapes,
+            (case.shapes(smoke) if case.shapes else None) or shapes,
             rows,
             dtype=dtype,
             providers=providers,
