@@ -39,11 +39,18 @@ chapter, opens no browser and compiles nothing for the inspector.
 
 --reuse-book: the previous run's executed chapters and HTML (_build/test-book/), for
 iterating on tests that only read them; nothing is started in the background.
+
+$TEST_WATCH_S (CI sets it): every that many seconds the process that started the run writes
+one line to stderr: the time since the run began, the tests done, the load average, the
+memory available, and each running test with how long it has run. A run cut off from outside
+then leaves in its log where its time went.
 """
 
 import os
 import pathlib
 import sys
+import threading
+import time
 import uuid
 
 import pytest
@@ -227,3 +234,55 @@ def pytest_terminal_summary(terminalreporter):
         for name, result in results.items():
             status = "ok" if result.error is None else "FAILED"
             terminalreporter.write_line(f"{name:<20} {result.seconds:6.1f} s  {status}")
+
+
+#: $TEST_WATCH_S: the running tests, by node id, and when each started (the watch's).
+_RUNNING: dict[str, float] = {}
+_DONE = [0]
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _RUNNING[nodeid] = time.monotonic()
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    _RUNNING.pop(nodeid, None)
+    _DONE[0] += 1
+
+
+def _machine() -> str:
+    try:
+        load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+        mem = next(
+            int(line.split()[1]) // 1024
+            for line in open("/proc/meminfo")
+            if line.startswith("MemAvailable")
+        )
+        return f"load {load}, {mem} MiB available"
+    except (OSError, StopIteration):
+        return "load and memory unknown"
+
+
+def watch_line(start: float, now: float) -> str:
+    """The watch's report: the run so far and what is running now."""
+    running = sorted(_RUNNING.items(), key=lambda kv: kv[1])
+    tests = "; ".join(f"{n} ({now - t:.0f} s)" for n, t in running) or "none"
+    return (
+        f"[watch] {(now - start) / 60:.1f} min: {_DONE[0]} tests done, "
+        f"{_machine()}; running: {tests}"
+    )
+
+
+def _watch(every: float, start: float) -> None:
+    while True:
+        time.sleep(every)
+        print(watch_line(start, time.monotonic()), file=sys.stderr, flush=True)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionstart(session):
+    every = float(os.environ.get("TEST_WATCH_S") or 0)
+    if every > 0 and not hasattr(session.config, "workerinput"):
+        threading.Thread(
+            target=_watch, args=(every, time.monotonic()), daemon=True
+        ).start()
