@@ -43,7 +43,9 @@ iterating on tests that only read them; nothing is started in the background.
 $TEST_WATCH_S (CI sets it): every that many seconds the process that started the run writes
 one line to stderr: the time since the run began, the tests done, the load average, the
 memory available, and each running test with how long it has run. A run cut off from outside
-then leaves in its log where its time went.
+then leaves in its log where its time went. $TEST_DEADLINE_S (CI sets it too): that many
+seconds after the run began, that process interrupts itself as Ctrl-C would (its workers stop,
+and pytest prints its summary and slowest tests), after one last watch line.
 """
 
 import os
@@ -273,16 +275,32 @@ def watch_line(start: float, now: float) -> str:
     )
 
 
-def _watch(every: float, start: float) -> None:
+def _watch(every: float, deadline: float, start: float) -> None:
+    import signal
+
     while True:
-        time.sleep(every)
-        print(watch_line(start, time.monotonic()), file=sys.stderr, flush=True)
+        wait = every or float("inf")
+        if deadline:
+            wait = min(wait, start + deadline - time.monotonic())
+        time.sleep(max(0.0, wait))
+        now = time.monotonic()
+        print(watch_line(start, now), file=sys.stderr, flush=True)
+        if deadline and now >= start + deadline:
+            print(
+                f"[watch] the run's deadline ($TEST_DEADLINE_S = {deadline:.0f} s) is "
+                "reached: interrupting it",
+                file=sys.stderr,
+                flush=True,
+            )
+            os.kill(os.getpid(), signal.SIGINT)
+            return
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionstart(session):
     every = float(os.environ.get("TEST_WATCH_S") or 0)
-    if every > 0 and not hasattr(session.config, "workerinput"):
+    deadline = float(os.environ.get("TEST_DEADLINE_S") or 0)
+    if (every > 0 or deadline > 0) and not hasattr(session.config, "workerinput"):
         threading.Thread(
-            target=_watch, args=(every, time.monotonic()), daemon=True
+            target=_watch, args=(every, deadline, time.monotonic()), daemon=True
         ).start()
