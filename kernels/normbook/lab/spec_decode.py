@@ -1,0 +1,77 @@
+"""The inputs, bytes and benchmark shapes of the specs of what runs at decode time (one
+new token per request): decode attention over a (paged, or fp8) KV cache and the
+sampler. Builders in the form :class:`normbook.lab.kernel_spec.KernelSpec` takes, for
+:mod:`normbook.lab.specs`; like it, the module imports only the standard library at its
+top."""
+
+from __future__ import annotations
+
+#: Qwen3's head_dim.
+HEAD_DIM = 128
+#: Decode: a few rows (tokens) of a model's hidden size, where a GPU must be filled from
+#: few rows.
+DECODE_M = (1, 8, 64)
+#: Decode attention: Qwen3-8B's (query, key/value) heads, and the cache lengths swept.
+DECODE_HEADS = (32, 8)
+DECODE_LENGTHS = (1024, 4096, 16384, 32768)
+DECODE_PAGE = 16  # a paged cache's block size (vLLM's default)
+
+
+def _bytes(*tensors) -> int:
+    from .measure import bytes_moved
+
+    return bytes_moved(*tensors)
+
+
+def _sample_inputs(M, N, make):
+    # The sampler's tile loads are not held to 128 bits (checked=False); it refuses NaN
+    # logits before it samples, so even the inspector's are values (read=True).
+    return {"logits": make(M, N, checked=False, read=True)}
+
+
+def _sample_bytes(a, backward):
+    # read the logits; write one index per row
+    return _bytes(a["logits"]) + 8 * a["logits"].shape[0]
+
+
+def _decode_attention_inputs(M, N, make, paged=False, cache_dtype=None):
+    """M requests, one new token each, over a full cache of N tokens (Qwen3-8B's heads;
+    a small model's at N <= 256); the cache in q's dtype or ``cache_dtype``."""
+    hq, hk = DECODE_HEADS if N > 256 else (8, 2)
+    d = HEAD_DIM
+    out = {"q": make(M, hq, 1, d), "cache_seqlens": make.lengths(M, N)}
+    shape = (M * (N // DECODE_PAGE), hk, DECODE_PAGE, d) if paged else (M, hk, N, d)
+    out["k_cache"] = make(*shape, dtype=cache_dtype)
+    out["v_cache"] = make(*shape, dtype=cache_dtype)
+    if paged:
+        out["block_table"] = make.table(M, N // DECODE_PAGE)
+    return out
+
+
+def _decode_attention_fp8_inputs(M, N, make):
+    """An e4m3 cache (vLLM's fp8) with one scale per k/v head, beside q's dtype. The
+    scales are read before the launch: real values, also for the inspector."""
+    import torch
+
+    a = _decode_attention_inputs(M, N, make, cache_dtype=torch.float8_e4m3fn)
+    hk = a["k_cache"].shape[1]
+    scales = [torch.full((hk,), 2.0**-6, device=make.device) for _ in "kv"]
+    return {**a, "k_scale": scales[0], "v_scale": scales[1]}
+
+
+def _decode_attention_bytes(a, backward):
+    # read q and the whole cache; write the output
+    return _bytes(a["q"], a["k_cache"], a["v_cache"], a["q"])
+
+
+def _decode_attention_formula(q, k_cache, v_cache, cache_seqlens):
+    """Every query sees every cached key (full caches): SDPA without a mask."""
+    from .formulas import torch_attention
+
+    return torch_attention(q, k_cache, v_cache, causal=False)
+
+
+def _decode_attention_shapes(smoke):
+    if smoke:
+        return [(1, 256, "decode")]
+    return [(m, n, "decode") for n in DECODE_LENGTHS for m in DECODE_M]
