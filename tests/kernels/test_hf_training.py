@@ -149,14 +149,46 @@ def test_a_patched_model_saved_whole_loads_patched(how):
         assert not torch.equal(twin(ids).logits, model(ids).logits)
 
 
+# A CI run once waited 68 minutes on this test's two ranks, idle (load 0.0), until its
+# deadline: a rank that hangs must fail the test, not the run.
+DDP_TIMEOUT_S = 120
+
+
+def _spawn_within(fn, args, nprocs, limit_s):
+    """``torch.multiprocessing.spawn``, but its processes killed and the test failed once
+    ``limit_s`` seconds have passed (spawn itself would wait for ever)."""
+    import time
+
+    ctx = torch.multiprocessing.start_processes(
+        fn, args=args, nprocs=nprocs, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + limit_s
+    while not ctx.join(timeout=5):  # raises when a rank fails
+        if time.monotonic() > deadline:
+            alive = [i for i, p in enumerate(ctx.processes) if p.is_alive()]
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"ranks {alive} still running after {limit_s} s: killed")
+
+
 def _ddp_worker(rank, world, folder):
     """One rank: the saved patched model under DistributedDataParallel (gloo), its half of
     the batch, one backward; rank 0 saves the (all-reduced, averaged) gradients."""
+    import datetime
+    import os
+
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    # Gloo's sockets on the loopback device, whatever the host name resolves to, and a
+    # store and collectives that give up within DDP_TIMEOUT_S (their default is 30 min).
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     dist.init_process_group(
-        "gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world
+        "gloo",
+        init_method=f"file://{folder}/store",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=DDP_TIMEOUT_S),
     )
     try:
         model = torch.load(f"{folder}/model.pt", weights_only=False).train()
@@ -182,7 +214,7 @@ def test_ddp_with_gloo_on_two_processes_equals_one_process(tmp_path):
     torch.save(model, tmp_path / "model.pt")  # the patched model itself travels
     torch.save(ids.cpu(), tmp_path / "ids.pt")
     model(ids, labels=ids).loss.backward()
-    torch.multiprocessing.spawn(_ddp_worker, args=(2, str(tmp_path)), nprocs=2)
+    _spawn_within(_ddp_worker, (2, str(tmp_path)), nprocs=2, limit_s=2 * DDP_TIMEOUT_S)
     grads = torch.load(tmp_path / "grads.pt")
     for n, p in model.named_parameters():
         assert _rel(grads[n].to(p.device), p.grad) <= 1e-5, n
