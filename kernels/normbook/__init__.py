@@ -18,6 +18,7 @@ from .fused_add_rms_norm import fused_add_rms_norm
 from .layer_norm import layer_norm
 from .linear import linear, matmul
 from .linear_cross_entropy import linear_cross_entropy
+from .penalize import penalize
 from .qk_norm_rope import qk_norm_rope
 from .quantize_kv import quantize_kv
 from .rms_norm import rms_norm
@@ -43,6 +44,7 @@ __all__ = [
     "attention",
     "attention_varlen",
     "sample",
+    "penalize",
     "swiglu",
     "linear_cross_entropy",
     "decode_attention",

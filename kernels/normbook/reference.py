@@ -525,6 +525,19 @@ def sampling_probs(logits, temperature=1.0, top_k=None, top_p=None, min_p=None):
     return p / p.sum(-1, keepdim=True)
 
 
+def penalize(logits, token_ids, rho=1.0, presence=0.0, frequency=0.0):
+    """y = r − φ·c − π·[c > 0], r = x·ρ (x < 0) or x/ρ where c > 0: c the count of each
+    id in the row's ``token_ids`` (−1: padding); ρ, π, φ numbers or one per row."""
+    x = _d(logits)
+    c = torch.zeros_like(x)
+    c.scatter_add_(-1, token_ids.clamp(min=0), (token_ids >= 0).to(f64))
+    rho, presence, frequency = (
+        _d(v).reshape(-1, 1) for v in (rho, presence, frequency)
+    )
+    r = torch.where(c > 0, torch.where(x < 0, x * rho, x / rho), x)
+    return r - frequency * c - presence * (c > 0)
+
+
 # ---------------------------------------------------------------- SwiGLU and the linear
 # cross-entropy
 

@@ -75,3 +75,42 @@ def _decode_attention_shapes(smoke):
     if smoke:
         return [(1, 256, "decode")]
     return [(m, n, "decode") for n in DECODE_LENGTHS for m in DECODE_M]
+
+
+def _penalize_inputs(M, N, make, seen=2048):
+    """M rows of N logits, each row having seen ``seen`` tokens (at most N; the
+    inspector's ids are zeros: valid), the three penalties a server sets."""
+    T = min(seen, N)
+    ids = make.index(M * T, N).view(M, T)
+    return {
+        "logits": make(M, N, checked=False),
+        "token_ids": ids,
+        "repetition_penalty": 1.1,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.25,
+    }
+
+
+def _penalize_bytes(a, backward):
+    x, ids = a["logits"], a["token_ids"]
+    # read the logits and the ids, write y; the int32 counts: zeroed, added at each id,
+    # read back
+    return _bytes(x, x, ids) + 4 * (2 * x.numel() + ids.numel())
+
+
+def _penalize_formula(
+    logits, token_ids, repetition_penalty, presence_penalty, frequency_penalty
+):
+    """transformers' repetition penalty over the distinct ids, then vLLM's frequency
+    and presence penalties, in the logits' dtype."""
+    import torch
+
+    B, V = logits.shape
+    ids = token_ids.clamp(min=0)
+    counts = torch.zeros(B, V, dtype=logits.dtype, device=logits.device)
+    counts.scatter_add_(1, ids, (token_ids >= 0).to(logits.dtype))
+    seen = counts > 0
+    rho = repetition_penalty
+    r = torch.where(logits < 0, logits * rho, logits / rho)
+    y = torch.where(seen, r, logits) - frequency_penalty * counts
+    return y - presence_penalty * seen.to(logits.dtype)
