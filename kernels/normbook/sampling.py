@@ -377,6 +377,13 @@ def sample(
             ``torch.Generator`` (one seed drawn from it), or an int seed in [0, 2**63).
             See :func:`philox_seed`.
 
+        Each of the five may instead be a ``(B,)`` tensor, one value per row (B rows
+        of ``logits``; ``top_k`` and ``generator`` int64, the others floating point):
+        vLLM's per-request ``SamplingParams``. Then row b is drawn as a call on that row
+        alone with its own values, and its token depends only on its logits, its
+        parameters and its seed, never on its place in the batch or on the other rows
+        (one launch per row for now).
+
     Returns:
         int64 tensor of shape ``logits.shape[:-1]``. Indices are not differentiable: the
         output never requires grad, even when ``logits`` does (there is no gradient to
@@ -386,6 +393,9 @@ def sample(
         TypeError / ValueError naming the bad argument, before any kernel is launched.
     """
     _validate.check_input(logits, "logits")
+    per_row = _per_row_args(logits, temperature, top_k, top_p, min_p, generator)
+    if per_row is not None:
+        return _sample_rows(logits, per_row)
     temperature, top_k, top_p, min_p = _check_args(
         temperature, top_k, top_p, min_p, generator
     )
@@ -402,6 +412,65 @@ def sample(
     return torch.ops.normbook.sample(
         logits.detach(), temperature, top_k, top_p, min_p, seed
     )
+
+
+_ROW_ARGS = ("temperature", "top_k", "top_p", "min_p", "generator")
+
+
+def _per_row_args(logits, *values):
+    """None when every argument is a number (one launch for the batch); else one tuple
+    of checked numbers per row (B = the rows of ``logits``): a tensor argument has shape
+    (B,), top_k and the seeds (``generator``) int64, the others floating point. One host
+    read of each tensor."""
+    if not any(isinstance(v, torch.Tensor) for v in values):
+        return None
+    B = math.prod(logits.shape[:-1])
+    columns = []
+    for name, v in zip(_ROW_ARGS, values):
+        if not isinstance(v, torch.Tensor):
+            columns.append([v] * B)
+            continue
+        integral = name in ("top_k", "generator")
+        if integral and v.dtype != torch.int64:
+            raise TypeError(f"{name} as a tensor must be int64, got {v.dtype}")
+        if not integral and not v.is_floating_point():
+            raise TypeError(f"{name} as a tensor must be floating point, got {v.dtype}")
+        if tuple(v.shape) != (B,):
+            raise ValueError(
+                f"{name} as a tensor must have shape ({B},), one value per row of "
+                f"logits, got {tuple(v.shape)}"
+            )
+        _validate.check_same_device(name, v, "logits", logits)
+        columns.append(v.tolist())
+    rows = []
+    for b, row in enumerate(zip(*columns)):
+        try:
+            checked = _check_args(*row)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"row {b}: {e}") from None
+        rows.append((*checked, row[-1]))
+    return rows
+
+
+def _sample_rows(logits, rows):
+    """Row b drawn alone, with its own parameters and seed: a launch per row, so that
+    its token depends on nothing else (not on its place in the batch, nor on the other
+    rows). A kernel that reads the parameters per row in one launch is not written
+    yet."""
+    x2d = logits.detach().reshape(-1, logits.shape[-1])
+    out = torch.empty((x2d.shape[0],), dtype=torch.int64, device=logits.device)
+    if x2d.shape[0] == 0:
+        return out.view(logits.shape[:-1])
+    if x2d.shape[1] == 0:
+        raise ValueError(
+            "logits must have at least one entry in its last dimension (the vocabulary)"
+        )
+    for b, (temperature, top_k, top_p, min_p, generator) in enumerate(rows):
+        seed = philox_seed(generator) if temperature != 0.0 else 0
+        out[b] = torch.ops.normbook.sample(
+            x2d[b : b + 1], temperature, top_k, top_p, min_p, seed
+        )[0]
+    return out.view(logits.shape[:-1])
 
 
 @torch.library.custom_op("normbook::sample", mutates_args=())

@@ -587,3 +587,57 @@ def test_split_is_chosen_from_the_vocabulary_size_only():
     assert sampling.row_reads(top_k=True, top_p=True) == len(
         sampling_split._split_steps(True, True)
     )
+
+
+def test_per_row_seeds_and_parameters_depend_on_the_row_alone():
+    """(B,) tensors for every argument (vLLM's per-request parameters): row b's token is
+    the token of a call on that row alone with its own values, bit for bit, wherever the
+    row stands in the batch; the rows of one seed tensor draw independently (not all
+    one token)."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(6, 300, generator=g).to(DEVICE) * 2
+    kw = dict(
+        temperature=torch.tensor([1.0, 0.0, 0.7, 1.3, 1.0, 0.9], device=DEVICE),
+        top_k=torch.tensor([300, 5, 40, 300, 7, 2], device=DEVICE),
+        top_p=torch.tensor([1.0, 0.9, 0.8, 0.95, 1.0, 1.0], device=DEVICE),
+        min_p=torch.tensor([0.0, 0.0, 0.05, 0.0, 0.1, 0.0], device=DEVICE),
+        generator=torch.tensor([11, 12, 13, 14, 15, 16], device=DEVICE),
+    )
+    tokens = sample(x, **kw)
+    for b in range(6):
+        alone = sample(
+            x[b : b + 1],
+            **{
+                k: float(v[b]) if v.is_floating_point() else int(v[b])
+                for k, v in kw.items()
+            },
+        )
+        assert torch.equal(tokens[b : b + 1], alone), b
+    perm = torch.tensor([3, 0, 5, 1, 4, 2], device=DEVICE)
+    shuffled = sample(x[perm], **{k: v[perm] for k, v in kw.items()})
+    assert torch.equal(shuffled, tokens[perm])
+    same_row = sample(
+        x[:1].expand(64, 300),
+        generator=torch.arange(64, device=DEVICE),
+        temperature=torch.full((64,), 1.0, device=DEVICE),
+    )
+    assert len(set(same_row.tolist())) > 1  # 64 seeds, 64 draws, not one
+
+
+@pytest.mark.parametrize(
+    "kw, exc, words",
+    [
+        ({"generator": torch.tensor([1, 2, 3])}, ValueError, "shape (2,)"),
+        ({"generator": torch.tensor([1.0, 2.0])}, TypeError, "must be int64"),
+        ({"top_k": torch.tensor([3, 0])}, ValueError, "row 1: top_k must be >= 1"),
+        ({"temperature": torch.tensor([1, 2])}, TypeError, "floating point"),
+        ({"top_p": torch.tensor([0.5, 1.5])}, ValueError, "row 1: top_p"),
+        ({"generator": torch.tensor([-1, 2])}, ValueError, "row 0: generator"),
+    ],
+)
+def test_bad_per_row_arguments_are_refused_before_launch(monkeypatch, kw, exc, words):
+    kw = {k: v.to(DEVICE) for k, v in kw.items()}
+    x = torch.randn(2, 16).to(DEVICE)
+    assert_rejected_before_launch(
+        monkeypatch, "sampling", lambda: sample(x, **kw), exc, words
+    )
