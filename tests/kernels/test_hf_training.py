@@ -154,21 +154,45 @@ def test_a_patched_model_saved_whole_loads_patched(how):
 DDP_TIMEOUT_S = 120
 
 
-def _spawn_within(fn, args, nprocs, limit_s):
+def _stage(folder, rank, what=None):
+    """A rank's progress, in a file: written by the rank, read by the test."""
+    path = f"{folder}/stage{rank}"
+    if what is not None:
+        with open(path, "w") as f:
+            f.write(what)
+        return what
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return "not started"
+
+
+def _spawn_within(fn, folder, nprocs, limit_s):
     """``torch.multiprocessing.spawn``, but its processes killed and the test failed once
-    ``limit_s`` seconds have passed (spawn itself would wait for ever)."""
+    ``limit_s`` seconds have passed (spawn itself would wait for ever), naming where
+    each rank stood. A rank that has finished its work (stage "done", its process group
+    destroyed) but whose interpreter has not exited 10 s later is killed without
+    failing: the hang is then in the interpreter's exit, after everything tested."""
     import time
 
     ctx = torch.multiprocessing.start_processes(
-        fn, args=args, nprocs=nprocs, join=False, start_method="spawn"
+        fn, args=(nprocs, folder), nprocs=nprocs, join=False, start_method="spawn"
     )
-    deadline = time.monotonic() + limit_s
-    while not ctx.join(timeout=5):  # raises when a rank fails
-        if time.monotonic() > deadline:
-            alive = [i for i, p in enumerate(ctx.processes) if p.is_alive()]
+    deadline, all_done_at = time.monotonic() + limit_s, None
+    while not ctx.join(timeout=2):  # raises when a rank fails
+        stages = [_stage(folder, r) for r in range(nprocs)]
+        if all(s == "done" for s in stages):
+            all_done_at = all_done_at or time.monotonic()
+            if time.monotonic() - all_done_at > 10:
+                for p in ctx.processes:
+                    p.kill()
+                return
+        elif time.monotonic() > deadline:
             for p in ctx.processes:
                 p.kill()
-            pytest.fail(f"ranks {alive} still running after {limit_s} s: killed")
+            alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
+            pytest.fail(f"after {limit_s} s ranks {alive} still ran; stages {stages}")
 
 
 def _ddp_worker(rank, world, folder):
@@ -183,6 +207,7 @@ def _ddp_worker(rank, world, folder):
     # Gloo's sockets on the loopback device, whatever the host name resolves to, and a
     # store and collectives that give up within DDP_TIMEOUT_S (their default is 30 min).
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    _stage(folder, rank, "init")
     dist.init_process_group(
         "gloo",
         init_method=f"file://{folder}/store",
@@ -191,17 +216,21 @@ def _ddp_worker(rank, world, folder):
         timeout=datetime.timedelta(seconds=DDP_TIMEOUT_S),
     )
     try:
+        _stage(folder, rank, "load")
         model = torch.load(f"{folder}/model.pt", weights_only=False).train()
         assert hf.is_patched(model)
         device = next(model.parameters()).device
         ids = torch.load(f"{folder}/ids.pt").chunk(world)[rank].to(device)
         ddp = torch.nn.parallel.DistributedDataParallel(model)
+        _stage(folder, rank, "forward and backward")
         ddp(ids, labels=ids).loss.backward()
         if rank == 0:
             grads = {n: p.grad for n, p in model.named_parameters()}
             torch.save(grads, f"{folder}/grads.pt")
     finally:
+        _stage(folder, rank, "destroy")
         dist.destroy_process_group()
+    _stage(folder, rank, "done")
 
 
 @pytest.mark.slow  # two processes that each import torch, transformers and normbook
@@ -214,7 +243,7 @@ def test_ddp_with_gloo_on_two_processes_equals_one_process(tmp_path):
     torch.save(model, tmp_path / "model.pt")  # the patched model itself travels
     torch.save(ids.cpu(), tmp_path / "ids.pt")
     model(ids, labels=ids).loss.backward()
-    _spawn_within(_ddp_worker, (2, str(tmp_path)), nprocs=2, limit_s=2 * DDP_TIMEOUT_S)
+    _spawn_within(_ddp_worker, str(tmp_path), nprocs=2, limit_s=2 * DDP_TIMEOUT_S)
     grads = torch.load(tmp_path / "grads.pt")
     for n, p in model.named_parameters():
         assert _rel(grads[n].to(p.device), p.grad) <= 1e-5, n
