@@ -154,6 +154,14 @@ def test_a_patched_model_saved_whole_loads_patched(how):
 DDP_TIMEOUT_S = 120
 
 
+def _free_port():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _stage(folder, rank, what=None):
     """A rank's progress, in a file: written by the rank, read by the test."""
     path = f"{folder}/stage{rank}"
@@ -171,9 +179,11 @@ def _stage(folder, rank, what=None):
 def _spawn_within(fn, folder, nprocs, limit_s):
     """``torch.multiprocessing.spawn``, but its processes killed and the test failed once
     ``limit_s`` seconds have passed (spawn itself would wait for ever), naming where
-    each rank stood. A rank that has finished its work (stage "done", its process group
-    destroyed) but whose interpreter has not exited 10 s later is killed without
-    failing: the hang is then in the interpreter's exit, after everything tested."""
+    each rank stood. Ranks that have all finished their work (stage "destroy" or
+    "done": the all-reduce that rank 0's saved gradients needed took every rank) but
+    have not exited 10 s later are killed without failing: a hang in the process
+    group's teardown or the interpreter's exit, after everything tested (a fresh-clone
+    run had rank 1 alive after 240 s while rank 0 had exited cleanly)."""
     import time
 
     ctx = torch.multiprocessing.start_processes(
@@ -182,7 +192,7 @@ def _spawn_within(fn, folder, nprocs, limit_s):
     deadline, all_done_at = time.monotonic() + limit_s, None
     while not ctx.join(timeout=2):  # raises when a rank fails
         stages = [_stage(folder, r) for r in range(nprocs)]
-        if all(s == "done" for s in stages):
+        if all(s in ("destroy", "done") for s in stages):
             all_done_at = all_done_at or time.monotonic()
             if time.monotonic() - all_done_at > 10:
                 for p in ctx.processes:
@@ -210,7 +220,7 @@ def _ddp_worker(rank, world, folder):
     _stage(folder, rank, "init")
     dist.init_process_group(
         "gloo",
-        init_method=f"file://{folder}/store",
+        init_method=f"tcp://127.0.0.1:{_stage(folder, 'port')}",
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=DDP_TIMEOUT_S),
@@ -243,6 +253,7 @@ def test_ddp_with_gloo_on_two_processes_equals_one_process(tmp_path):
     torch.save(model, tmp_path / "model.pt")  # the patched model itself travels
     torch.save(ids.cpu(), tmp_path / "ids.pt")
     model(ids, labels=ids).loss.backward()
+    _stage(tmp_path, "port", str(_free_port()))  # a TCP store on the loopback
     _spawn_within(_ddp_worker, str(tmp_path), nprocs=2, limit_s=2 * DDP_TIMEOUT_S)
     grads = torch.load(tmp_path / "grads.pt")
     for n, p in model.named_parameters():
