@@ -21,6 +21,7 @@ from .linear_cross_entropy import linear_cross_entropy
 from .penalize import penalize
 from .qk_norm_rope import qk_norm_rope
 from .quantize_kv import quantize_kv
+from .reshape_and_cache import reshape_and_cache
 from .rms_norm import rms_norm
 from .row_stats import row_variance
 from .sampling import sample
@@ -49,6 +50,7 @@ __all__ = [
     "linear_cross_entropy",
     "decode_attention",
     "quantize_kv",
+    "reshape_and_cache",
     "speculative_sample",
     "linear",
     "matmul",
@@ -62,7 +64,7 @@ def __getattr__(name):
     # normbook.hf (the transformers integration) loads on first use, so that
     # ``import normbook; normbook.hf.patch(model)`` works while ``import normbook``
     # alone imports no transformers (normbook.hf imports it only when patching).
-    if name == "hf":
+    if name in ("hf", "serve"):  # serve: the engine, on first use too
         import importlib
 
         return importlib.import_module(f"{__name__}.hf")
