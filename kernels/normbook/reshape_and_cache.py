@@ -115,8 +115,13 @@ def _check(key, value, key_cache, value_cache, slot_mapping):
     for name, t in (("value", value), ("key_cache", key_cache), ("value_cache",
                     value_cache), ("slot_mapping", slot_mapping)):  # fmt: skip
         _validate.check_same_device(name, t, "key", key)
-    if key_cache.requires_grad or value_cache.requires_grad:
-        raise NotImplementedError("reshape_and_cache writes caches that require grad")
+    for name, t in (("key", key), ("value", value), ("key_cache", key_cache),
+                    ("value_cache", value_cache)):  # fmt: skip
+        if t.requires_grad:
+            raise NotImplementedError(
+                f"reshape_and_cache has no backward (a cache is written in place): "
+                f"{name} requires grad; detach it"
+            )
 
 
 def _check_slots(slot_mapping, num_slots):
