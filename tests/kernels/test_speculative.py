@@ -1,6 +1,8 @@
 """normbook.speculative_sample: exact (chi-square against p), the acceptance rate Σ min(p, q),
 q = p accepts everything, reproducible, and bad arguments refused."""
 
+import re
+
 import pytest
 import torch
 from conftest import on_cpu
@@ -266,3 +268,101 @@ def test_bad_arguments(make, kwargs, exc, words):
     with pytest.raises(exc) as info:
         speculative_sample(*make(*_good()), **kwargs)
     assert words in str(info.value)
+
+
+# ---------------------------------------------------------------- ragged drafts, seeds
+
+
+def ragged_case(B=5, K=4, seed=11):
+    """B rows with n_b in {0, …, K} drafts each; the positions past n_b poisoned (ids
+    -1, probabilities NaN): a row reading past its drafts fails the value checks or
+    the comparison."""
+    g = torch.Generator().manual_seed(seed)
+    q = dists(B, K, generator=g, sharp=1.5)
+    p = dists(B, K + 1, generator=g, sharp=1.5)
+    tokens = draw(q, g)
+    n = torch.tensor([0, K, 1, K - 1, 2][:B])
+    for b, n_b in enumerate(n.tolist()):
+        tokens[b, n_b:] = -1
+        q[b, n_b:] = float("nan")
+        p[b, n_b + 1 :] = float("nan")
+    seeds = torch.randint(0, 2**62, (B,), generator=g)
+    return tokens, q, p, n, seeds
+
+
+def test_ragged_rows_equal_separate_calls_on_each_row():
+    """Each row with its own count and seed equals a call on that row alone with
+    K = n_b and its seed, bit for bit; over 40 seeds, so that both acceptances and
+    rejections occur at several places."""
+    for trial in range(40):
+        tokens, q, p, n, seeds = ragged_case(seed=trial)
+        out, acc = speculative_sample(
+            tokens.to(DEVICE), q.to(DEVICE), p.to(DEVICE),
+            num_draft_tokens=n.to(DEVICE), generator=seeds,
+        )  # fmt: skip
+        out, acc = on_cpu(out, acc)
+        for b, n_b in enumerate(n.tolist()):
+            one, acc_one = speculative_sample(
+                tokens[b : b + 1, :n_b].to(DEVICE), q[b : b + 1, :n_b].to(DEVICE),
+                p[b : b + 1, : n_b + 1].to(DEVICE), generator=int(seeds[b]),
+            )  # fmt: skip
+            one, acc_one = on_cpu(one, acc_one)
+            assert int(acc[b]) == int(acc_one[0]) <= n_b
+            assert out[b, : n_b + 1].tolist() == one[0].tolist()
+            assert bool((out[b, n_b + 1 :] == -1).all())
+
+
+def test_per_row_seeds_do_not_depend_on_position_or_padding():
+    """The batch reversed, and padded to a larger K: every row's tokens move with it."""
+    tokens, q, p, n, seeds = ragged_case(seed=3)
+    args = lambda t, qq, pp: (t.to(DEVICE), qq.to(DEVICE), pp.to(DEVICE))  # noqa: E731
+    a, _ = speculative_sample(*args(tokens, q, p), num_draft_tokens=n.to(DEVICE),
+                              generator=seeds)  # fmt: skip
+    r = torch.arange(4, -1, -1)
+    b_, _ = speculative_sample(*args(tokens[r], q[r], p[r]),
+                               num_draft_tokens=n[r].to(DEVICE), generator=seeds[r])  # fmt: skip
+    pad_t = torch.cat([tokens, torch.full((5, 2), -1)], 1)
+    pad_q = torch.cat([q, torch.full((5, 2, V), float("nan"))], 1)
+    pad_p = torch.cat([p, torch.full((5, 2, V), float("nan"))], 1)
+    c, _ = speculative_sample(*args(pad_t, pad_q, pad_p),
+                              num_draft_tokens=n.to(DEVICE), generator=seeds)  # fmt: skip
+    a, b_, c = on_cpu(a, b_, c)
+    assert torch.equal(b_, a[r])
+    assert torch.equal(c[:, :5], a) and bool((c[:, 5:] == -1).all())
+
+
+def test_zero_drafts_draw_from_the_first_target_distribution():
+    """n_b = 0 for every row, p one-hot: the emitted token is p's token."""
+    B, K = 3, 2
+    p = torch.zeros(B, K + 1, V, dtype=torch.float64)
+    p[torch.arange(B), 0, torch.tensor([1, 4, 2])] = 1.0
+    p[:, 1:] = float("nan")  # never read
+    q = torch.full((B, K, V), float("nan"), dtype=torch.float64)
+    out, acc = speculative_sample(
+        torch.full((B, K), -1).to(DEVICE), q.to(DEVICE), p.to(DEVICE),
+        num_draft_tokens=torch.zeros(B, dtype=torch.int64).to(DEVICE), generator=5,
+    )  # fmt: skip
+    out, acc = on_cpu(out, acc)
+    assert out[:, 0].tolist() == [1, 4, 2] and acc.tolist() == [0, 0, 0]
+    assert bool((out[:, 1:] == -1).all())
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, words",
+    [
+        (dict(num_draft_tokens=torch.tensor([0, 1, 9, 0, 0])), ValueError, "[0, 4]"),
+        (dict(num_draft_tokens=torch.tensor([0, 1, -1, 0, 0])), ValueError, "[0, 4]"),
+        (dict(num_draft_tokens=torch.zeros(4, dtype=torch.int64)), ValueError, "(5,)"),
+        (dict(num_draft_tokens=torch.zeros(5)), TypeError, "int32 or int64"),
+        (dict(num_draft_tokens=[0, 1, 2, 3, 4]), TypeError, "num_draft_tokens"),
+        (dict(generator=torch.zeros(4, dtype=torch.int64)), ValueError, "(5,)"),
+        (dict(generator=torch.full((5,), -3)), ValueError, "[0, 2**63)"),
+    ],
+)
+def test_bad_counts_and_seeds(kwargs, exc, words):
+    tokens, q, p, n, seeds = ragged_case()
+    kwargs = {"num_draft_tokens": n, "generator": seeds, **kwargs}
+    if isinstance(kwargs["num_draft_tokens"], torch.Tensor):
+        kwargs["num_draft_tokens"] = kwargs["num_draft_tokens"].to(DEVICE)
+    with pytest.raises(exc, match=re.escape(words)):
+        speculative_sample(tokens.to(DEVICE), q.to(DEVICE), p.to(DEVICE), **kwargs)
