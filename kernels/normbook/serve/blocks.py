@@ -15,10 +15,10 @@ A request's cache is a list of block ids (its block table); token ``p`` lives in
 * **Copy-on-write.** Before a request writes into a block whose reference count is above
   one, the block is copied into a fresh one (the engine copies its keys and values in
   every layer): the other holders keep their tokens.
-* **Freed blocks stay cached.** A block whose count falls to 0 joins the free list at its
-  end, its content still registered; allocation takes the least recently freed block
-  first (the front) and only then forgets what it held. So a request that finishes, or is
-  preempted, leaves its prefix to the next request that needs it.
+* **Freed blocks stay cached.** A block whose count falls to 0 joins the free list at
+  its end, its content still registered; allocation takes the least recently freed
+  block first (the front) and only then forgets what it held. So a request that
+  finishes, or is preempted, leaves its prefix to the next request that needs it.
 
 The manager keeps no tensors: it hands out block ids and tells the engine which blocks
 to copy.

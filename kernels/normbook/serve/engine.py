@@ -69,9 +69,18 @@ class Engine:
     logits each token was drawn from are kept (``logits_of(id)``).
     """
 
-    def __init__(self, model, *, num_blocks, block_size, max_num_seqs,
-                 max_num_batched_tokens, batch_invariant=False, draft_model=None,
-                 num_speculative_tokens=0):  # fmt: skip
+    def __init__(
+        self,
+        model,
+        *,
+        num_blocks,
+        block_size,
+        max_num_seqs,
+        max_num_batched_tokens,
+        batch_invariant=False,
+        draft_model=None,
+        num_speculative_tokens=0,
+    ):
         check_model(model)
         _int(num_blocks, "num_blocks", 1)
         _int(block_size, "block_size", 1)
@@ -102,14 +111,23 @@ class Engine:
         self.batch_invariant = batch_invariant
         self.blocks = BlockManager(num_blocks, block_size, not batch_invariant)
         self.pool = KVPool(model, num_blocks, block_size)
-        self.draft_pool = KVPool(draft_model, num_blocks, block_size) if self.K else None
+        self.draft_pool = (
+            KVPool(draft_model, num_blocks, block_size) if self.K else None
+        )
         self.waiting: deque = deque()
         self.running: list = []
         self.requests: dict = {}
         self.record_logits = False
         self._next_id = 0
-        self._stats = dict(steps=0, preemptions=0, prefill_tokens=0,
-                           decode_tokens=0, drafted=0, accepted=0)  # fmt: skip
+        self._stats = dict(
+            steps=0,
+            mixed_steps=0,
+            preemptions=0,
+            prefill_tokens=0,
+            decode_tokens=0,
+            drafted=0,
+            accepted=0,
+        )
 
     # ------------------------------------------------------------ requests
     def add_request(self, prompt_ids, params=None) -> int:
@@ -135,10 +153,15 @@ class Engine:
                 f"the request needs up to {need} tokens of cache, more than the "
                 f"{self.blocks.num_blocks} blocks of {self.block_size} hold"
             )
-        if self.K and not params.greedy and (
-            params.top_k is not None or params.top_p is not None
-            or params.min_p is not None
-        ):  # fmt: skip
+        if (
+            self.K
+            and not params.greedy
+            and (
+                params.top_k is not None
+                or params.top_p is not None
+                or params.min_p is not None
+            )
+        ):
             raise ValueError(
                 "top_k, top_p and min_p are not supported with speculative decoding"
             )
@@ -234,8 +257,12 @@ class Engine:
             plan.append((r, n, k))
             budget -= n
             i += 1
-        while (not preempted and self.waiting and budget > 0
-               and len(self.running) < self.max_num_seqs):  # fmt: skip
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+        ):
             r = self.waiting[0]
             matched = self.blocks.match(r.seq, r.tokens)
             r.draft_computed = r.seq.num_computed
@@ -270,12 +297,19 @@ class Engine:
             if k:
                 tokens = tokens + drafts[r.id][0]
             done = start + n - k == len(r.tokens)
-            chunks.append(Chunk(r.seq.blocks, start, tokens,
-                                list(range(n - k - 1, n)) if done else []))  # fmt: skip
+            chunks.append(
+                Chunk(
+                    r.seq.blocks,
+                    start,
+                    tokens,
+                    list(range(n - k - 1, n)) if done else [],
+                )
+            )
         logits = forward(self.model, self.pool, chunks, self.batch_invariant)
-        plain, spec, new = [], [], {}
+        plain, spec, new, kinds = [], [], {}, set()
         for (r, n, k), lg in zip(plan, logits):
             decoding = len(r.tokens) - r.seq.num_computed == 1
+            kinds.add(decoding)
             self._stats["decode_tokens" if decoding else "prefill_tokens"] += n
             r.seq.num_computed += n - k
             if len(lg) and k == 0:
@@ -286,10 +320,11 @@ class Engine:
             new[r.id] = [t]
             if self.record_logits:
                 r.logits.append(row)
+        self._stats["mixed_steps"] += len(kinds) == 2  # prefill beside decoding
         if spec:
             new.update(self._verify(spec, drafts))
         events = []
-        for r, n, k in plan:
+        for r, _, _ in plan:
             if r.id in new:
                 events.append((r.id, self._emit(r, new[r.id]), r.finished))
         for r in list(self.running):
@@ -335,11 +370,17 @@ class Engine:
             values = [float(getattr(p, name)) for p in params]
             return torch.tensor(values, dtype=torch.float32, device=dev)
 
-        logits = normbook.penalize(logits, padded([h[0] for h in histories]),
-                                   repetition_penalty=per_row("repetition_penalty"))
-        return normbook.penalize(logits, padded([h[1] for h in histories]),
-                                 presence_penalty=per_row("presence_penalty"),
-                                 frequency_penalty=per_row("frequency_penalty"))  # fmt: skip
+        logits = normbook.penalize(
+            logits,
+            padded([h[0] for h in histories]),
+            repetition_penalty=per_row("repetition_penalty"),
+        )
+        return normbook.penalize(
+            logits,
+            padded([h[1] for h in histories]),
+            presence_penalty=per_row("presence_penalty"),
+            frequency_penalty=per_row("frequency_penalty"),
+        )
 
     def _sample(self, rows):
         """One token per (request, logits row): greedy rows take the argmax, the others
@@ -348,8 +389,9 @@ class Engine:
             return []
         reqs = [r for r, _ in rows]
         logits = torch.stack([row for _, row in rows])
-        logits = self._penalized(logits, [(r.tokens, r.output) for r in reqs],
-                                 [r.params for r in reqs])  # fmt: skip
+        logits = self._penalized(
+            logits, [(r.tokens, r.output) for r in reqs], [r.params for r in reqs]
+        )
         out = logits.argmax(-1).tolist()
         drawn = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if drawn:
@@ -362,12 +404,18 @@ class Engine:
             kw = dict(
                 temperature=column([p.temperature for p in ps], torch.float32),
                 top_k=column([p.top_k or V for p in ps], torch.int64),
-                top_p=column([1.0 if p.top_p is None else p.top_p for p in ps],
-                             torch.float32),
+                top_p=column(
+                    [1.0 if p.top_p is None else p.top_p for p in ps], torch.float32
+                ),
                 min_p=column([p.min_p or 0.0 for p in ps], torch.float32),
-                generator=column([token_seed(reqs[i].seed, len(reqs[i].output),
-                                             _TARGET) for i in drawn], torch.int64),
-            )  # fmt: skip
+                generator=column(
+                    [
+                        token_seed(reqs[i].seed, len(reqs[i].output), _TARGET)
+                        for i in drawn
+                    ],
+                    torch.int64,
+                ),
+            )
             tokens = normbook.sample(logits[drawn], **kw).tolist()
             for i, t in zip(drawn, tokens):
                 out[i] = t
@@ -378,8 +426,11 @@ class Engine:
         of the penalized logits at the temperature, one-hot for greedy rows."""
         logits = self._penalized(logits, histories, params).double()
         greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-        temps = torch.tensor([p.temperature or 1.0 for p in params],
-                             dtype=torch.float64, device=logits.device)  # fmt: skip
+        temps = torch.tensor(
+            [p.temperature or 1.0 for p in params],
+            dtype=torch.float64,
+            device=logits.device,
+        )
         soft = torch.softmax(logits / temps[:, None], -1)
         hard = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1])
         return torch.where(greedy[:, None], hard.double(), soft)
@@ -394,22 +445,31 @@ class Engine:
             if k:  # what the draft has not seen yet: the last token (and one more)
                 pending = r.tokens[r.draft_computed :]
                 at.append(len(chunks))
-                chunks.append(Chunk(r.seq.blocks, r.draft_computed, pending,
-                                    [len(pending) - 1]))  # fmt: skip
+                chunks.append(
+                    Chunk(r.seq.blocks, r.draft_computed, pending, [len(pending) - 1])
+                )
                 spec.append((r, k))
             elif r.draft_computed == r.seq.num_computed:  # the same chunk, no logits
-                chunks.append(Chunk(r.seq.blocks, r.draft_computed,
-                                    r.tokens[r.draft_computed : r.draft_computed + n]))
+                chunks.append(
+                    Chunk(
+                        r.seq.blocks,
+                        r.draft_computed,
+                        r.tokens[r.draft_computed : r.draft_computed + n],
+                    )
+                )
                 r.draft_computed += n
         proposals = {r.id: ([], []) for r, _ in spec}
         i = 0
         while spec:
             logits = forward(self.draft, self.draft_pool, chunks, self.batch_invariant)
             rows = [(r, logits[j][-1]) for (r, _), j in zip(spec, at)]
-            hist = [(r.tokens + proposals[r.id][0], r.output + proposals[r.id][0])
-                    for r, _ in rows]  # fmt: skip
-            q = self._probs(torch.stack([row for _, row in rows]), hist,
-                            [r.params for r, _ in rows])  # fmt: skip
+            hist = [
+                (r.tokens + proposals[r.id][0], r.output + proposals[r.id][0])
+                for r, _ in rows
+            ]
+            q = self._probs(
+                torch.stack([row for _, row in rows]), hist, [r.params for r, _ in rows]
+            )
             for (r, _), q_r in zip(rows, q):
                 t = len(r.output) + len(proposals[r.id][0])
                 g = torch.Generator().manual_seed(token_seed(r.seed, t, _DRAFT))
@@ -418,12 +478,16 @@ class Engine:
                 proposals[r.id][1].append(q_r)
             i += 1
             spec = [(r, k) for r, k in spec if k > i]
-            chunks = [Chunk(r.seq.blocks, r.seq.num_computed + i,
-                            [proposals[r.id][0][-1]], [0]) for r, k in spec]  # fmt: skip
+            chunks = [
+                Chunk(
+                    r.seq.blocks, r.seq.num_computed + i, [proposals[r.id][0][-1]], [0]
+                )
+                for r, k in spec
+            ]
             at = list(range(len(spec)))
         if chunks and not proposals:  # prefill chunks only
             forward(self.draft, self.draft_pool, chunks, self.batch_invariant)
-        for r, n, k in plan:
+        for r, _, k in plan:
             if k:  # its pending tokens and its first k - 1 drafts
                 r.draft_computed = r.seq.num_computed + k
         self._stats["drafted"] += sum(k for _, _, k in plan)
@@ -444,13 +508,14 @@ class Engine:
             hist = [(r.tokens + d[:i], r.output + d[:i]) for i in range(k + 1)]
             p[b, : k + 1] = self._probs(lg, hist, [r.params] * (k + 1))
         counts = torch.tensor([k for _, k, _ in spec], device=dev)
-        seeds = torch.tensor([token_seed(r.seed, len(r.output), _VERIFY)
-                              for r, _, _ in spec])  # fmt: skip
+        seeds = torch.tensor(
+            [token_seed(r.seed, len(r.output), _VERIFY) for r, _, _ in spec]
+        )
         out, accepted = normbook.speculative_sample(
             tokens, q, p, num_draft_tokens=counts, generator=seeds
         )
         new = {}
-        for (r, k, lg), row, a in zip(spec, out.tolist(), accepted.tolist()):
+        for (r, _, lg), row, a in zip(spec, out.tolist(), accepted.tolist()):
             new[r.id] = row[: a + 1]
             if self.record_logits:
                 r.logits.extend(lg[: a + 1])

@@ -161,9 +161,7 @@ def _attend(q, kc, vc, plan, scale):
     H, D = q.shape[1:]
     for n, rows, lens, table in plan.groups:
         qg = q[rows].view(-1, n, H, D).transpose(1, 2)
-        og = normbook.decode_attention(
-            qg, kc, vc, lens, block_table=table, scale=scale
-        )
+        og = normbook.decode_attention(qg, kc, vc, lens, block_table=table, scale=scale)
         o[rows] = og.transpose(1, 2).reshape(-1, H, D)
     if plan.varlen is not None:
         rows, blk, off, cu_q, cu_k, max_q, max_k = plan.varlen
@@ -205,9 +203,14 @@ def forward(model, pool: KVPool, chunks: list, batch_invariant: bool = False):
         k = linear(h, att.k_proj.weight, att.k_proj.bias).view(1, T, H_kv, D)
         v = linear(h, att.v_proj.weight, att.v_proj.bias).view(1, T, H_kv, D)
         q, k = normbook.qk_norm_rope(
-            q, k, att.q_norm.weight, att.k_norm.weight, cos, sin,
+            q,
+            k,
+            att.q_norm.weight,
+            att.k_norm.weight,
+            cos,
+            sin,
             att.q_norm.variance_epsilon,
-        )  # fmt: skip
+        )
         normbook.reshape_and_cache(k[0], v[0], pool.k[i], pool.v[i], slots)
         o = _attend(q[0], pool.k[i], pool.v[i], plan, att.scaling)
         x = linear(o.reshape(1, T, H * D), att.o_proj.weight, att.o_proj.bias)
@@ -219,7 +222,9 @@ def forward(model, pool: KVPool, chunks: list, batch_invariant: bool = False):
         up = linear(h, mlp.up_proj.weight)
         x = linear(normbook.swiglu(gate, up), mlp.down_proj.weight)
     final = model.model.norm
-    h, _ = normbook.fused_add_rms_norm(x, residual, final.weight, final.variance_epsilon)
+    h, _ = normbook.fused_add_rms_norm(
+        x, residual, final.weight, final.variance_epsilon
+    )
     at, offset = [], 0
     for c in chunks:
         at.extend(offset + j for j in c.logits_at)
