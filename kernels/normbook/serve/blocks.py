@@ -118,6 +118,11 @@ class BlockManager:
                 m += 1
             if m > best_m:
                 best, best_m = block, m
+        whole = (
+            self.full.get(tuple(tokens[: n + bs])) if len(tokens) >= n + bs else None
+        )
+        if whole is not None and len(ahead) > best_m:  # a full block, all but its end
+            best, best_m = whole, len(ahead)
         if best is not None:
             self._share(best)
             seq.blocks.append(best)
