@@ -49,6 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _validate
 from ._config import LAUNCH, LOG2E, _capability, tile_config
 from ._decode_attention_checks import check as _check
 from ._decode_attention_checks import check_values as _check_values
@@ -65,12 +66,13 @@ MAX_ROWS = 64
 
 
 @triton.jit
-def _visible_keys(n, Sq, window, WINDOW: tl.constexpr):
-    """[lo, hi): the keys any of the row's Sq queries may see (all in the cache)."""
-    lo = 0
+def _visible_keys(n, Sq, window, WINDOW: tl.constexpr, pad):
+    """[lo, hi): the keys any of the row's Sq queries may see (all in the cache); a
+    left-padded row's keys start at ``pad``."""
+    lo = pad
     if WINDOW:
         # the first query sees its W - 1 predecessors
-        lo = tl.maximum(n - Sq - window + 1, 0)
+        lo = tl.maximum(n - Sq - window + 1, pad)
     return lo, n
 
 
@@ -111,6 +113,7 @@ def _decode_split(
     MidAcc,
     MidM,
     MidL,  # inputs; partial states (fp32)
+    LeftPad,  # (B,) first key of each row (LEFTPAD)
     KScale,
     VScale,  # an fp8 cache's scales, one per k/v head (fp32)
     sqb,
@@ -146,6 +149,7 @@ def _decode_split(
     UPCAST: tl.constexpr,
     FP8: tl.constexpr,  # K, V in fp8, dequantized by KScale, VScale
     E4M3_BITS: tl.constexpr,  # K, V as uint8 holding e4m3fn (no fp8 e4m3 type)
+    LEFTPAD: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -157,7 +161,8 @@ def _decode_split(
     b = (bh // H_kv).to(tl.int64)  # int64: batch · stride can pass 2**31
     h_kv = (bh % H_kv).to(tl.int64)
     n = tl.load(Lens + b).to(tl.int32)
-    lo, hi = _visible_keys(n, Sq, window, WINDOW)
+    pad = tl.load(LeftPad + b).to(tl.int32) if LEFTPAD else 0
+    lo, hi = _visible_keys(n, Sq, window, WINDOW, pad)
     if chunk < lo // CHUNK or chunk * CHUNK >= hi:
         return  # no visible key in this chunk: the merge never reads its state
 
@@ -266,7 +271,9 @@ def _decode_merge(
     MidM,
     MidL,
     Lens,
+    LeftPad,
     O,
+    LSE,  # (B, H, Sq) fp32, natural log (SAVE_LSE)
     sob,
     soh,
     som,  # strides of O (contiguous in dim)
@@ -278,6 +285,8 @@ def _decode_merge(
     n_chunks,
     window,
     WINDOW: tl.constexpr,
+    LEFTPAD: tl.constexpr,
+    SAVE_LSE: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -287,7 +296,8 @@ def _decode_merge(
     b = (bh // H_kv).to(tl.int64)
     h_kv = (bh % H_kv).to(tl.int64)
     n = tl.load(Lens + b).to(tl.int32)
-    lo, hi = _visible_keys(n, Sq, window, WINDOW)
+    pad = tl.load(LeftPad + b).to(tl.int32) if LEFTPAD else 0
+    lo, hi = _visible_keys(n, Sq, window, WINDOW, pad)
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < R
     dims = tl.arange(0, BLOCK_D)
@@ -320,6 +330,13 @@ def _decode_merge(
     i = rows % Sq
     o_ptr = O + b * sob + h[:, None] * soh + i[:, None] * som + dims[None, :]
     tl.store(o_ptr, round_to(out, O.dtype.element_ty), mask=mask)
+    if SAVE_LSE:
+        # log Σ e^s = ln 2 · (m + log2 ℓ) (m in base 2); +inf for a query that sees no
+        # key, as normbook.attention and FlashAttention
+        l_pos = tl.where(l > 0.0, l, 1.0)
+        lse = tl.where(l > 0.0, (m + tl.log2(l_pos)) * 0.6931471805599453, float("inf"))
+        H = H_kv * GROUP
+        tl.store(LSE + (b * H + h) * Sq + i, lse, mask=row_ok)
 
 
 def decode_config(head_dim: int, rows: int, dtype: torch.dtype, capability=None):
@@ -346,10 +363,13 @@ def _forward(
     v_scale=None,
     chunk=KV_CHUNK,
     e4m3_bits=None,
+    cache_leftpad=None,
+    lse=None,
 ):
     """Launch on checked inputs. ``chunk`` is for tests (more chunks at interpreter
     sizes), and ``e4m3_bits`` (None: where the GPU has no fp8 e4m3, before sm_89) reads
-    an e4m3 cache as bytes, as on those GPUs."""
+    an e4m3 cache as bytes, as on those GPUs. ``lse``: a (B, H, S_q) fp32 tensor the
+    merge writes the log-sum-exp into."""
     B, H, Sq, D = q.shape
     H_kv = k_cache.shape[1]
     group = H // H_kv
@@ -387,6 +407,7 @@ def _forward(
             mid_acc,
             mid_m,
             mid_l,
+            cache_leftpad if cache_leftpad is not None else cache_seqlens,
             k_scale if fp8 else mid_m,  # placeholders, never read
             v_scale if fp8 else mid_m,
             *q.stride(),
@@ -412,6 +433,7 @@ def _forward(
             UPCAST=INTERPRET,
             FP8=fp8,
             E4M3_BITS=e4m3_bits,
+            LEFTPAD=cache_leftpad is not None,
             CHUNK=chunk,
             BLOCK_M=BLOCK_M,
             BLOCK_N=BLOCK_N,
@@ -424,7 +446,9 @@ def _forward(
             mid_m,
             mid_l,
             cache_seqlens,
+            cache_leftpad if cache_leftpad is not None else cache_seqlens,
             out,
+            lse if lse is not None else mid_m,  # a placeholder, never written
             *out.stride()[:3],
             H_kv,
             group,
@@ -434,6 +458,8 @@ def _forward(
             n_chunks,
             window or 0,
             WINDOW=window is not None,
+            LEFTPAD=cache_leftpad is not None,
+            SAVE_LSE=lse is not None,
             CHUNK=chunk,
             BLOCK_M=BLOCK_M,
             BLOCK_D=BLOCK_D,
@@ -455,6 +481,8 @@ def decode_attention(
     softcap=None,
     k_scale=None,
     v_scale=None,
+    cache_leftpad=None,
+    return_lse=False,
 ):
     r"""Attention of each row's ``S_q`` newest tokens over its KV cache (split-KV).
 
@@ -488,6 +516,17 @@ def decode_attention(
             so the key is ``k8 · k_scale``. A float or a 0-d (or ``(1,)``) float32
             tensor (per tensor, vLLM's ``_k_scale``), or ``(H_kv,)`` float32 (one per
             k/v head); finite and > 0. :func:`normbook.quantize_kv` makes them.
+        cache_leftpad: ``None`` or ``(B,)`` int32/int64, FlashAttention's
+            ``cache_leftpad``: row b's keys start at slot ``cache_leftpad[b]`` (a
+            left-padded batch); it holds ``cache_seqlens[b] - cache_leftpad[b]`` keys,
+            slots ``[cache_leftpad[b], cache_seqlens[b])``, and the slots before are
+            never read. Each value in ``[0, cache_seqlens[b]]``.
+        return_lse: also return the softmax's log-sum-exp, ``(B, H, S_q)`` fp32, the
+            natural log of ``Σ_j exp(s_j)`` over the keys the query sees, ``s`` the
+            scaled (and soft-capped) scores; ``+inf`` for a query that sees no key (as
+            FlashAttention). Two calls on two halves of a row's keys merge into the
+            whole: ``o = o₁ e^{lse₁ − lse} + o₂ e^{lse₂ − lse}``, ``lse = log(e^{lse₁}
+            + e^{lse₂})``.
 
     With an fp8 cache the scales never touch a tile. An fp8 value (at most 4
     significant bits, e5m2's exponents within fp16's) is exact in fp16 and bf16, so a
@@ -506,9 +545,9 @@ def decode_attention(
     bytes and turned into fp16 by shifting its bits (the value times 2^-8, which the
     scales take back exactly): the same results. P is rounded to q's dtype.
 
-    Returns ``(B, H, S_q, D)`` in q's dtype. Scores and softmax state in fp32,
-    probabilities rounded to q's dtype before multiplying V (as FlashAttention).
-    A row's bits do not depend on the batch, the other rows, the capacity, or paged vs
+    Returns ``(B, H, S_q, D)`` in q's dtype (and the lse, with ``return_lse``). Scores
+    and softmax state in fp32, probabilities rounded to q's dtype before multiplying V
+    (as FlashAttention). A row's bits do not depend on the batch, the other rows, the capacity, or paged vs
     contiguous storage.
 
     Raises:
@@ -529,7 +568,25 @@ def decode_attention(
         k_scale,
         v_scale,
     )
-    return torch.ops.normbook.decode_attention(
+    if cache_leftpad is not None:
+        if not isinstance(cache_leftpad, torch.Tensor):
+            raise TypeError(
+                "cache_leftpad must be None or a (B,) integer tensor, got "
+                f"{type(cache_leftpad).__name__}"
+            )
+        if cache_leftpad.dtype not in (torch.int32, torch.int64):
+            raise TypeError(
+                f"cache_leftpad must be int32 or int64, got {cache_leftpad.dtype}"
+            )
+        if tuple(cache_leftpad.shape) != (q.shape[0],):
+            raise ValueError(
+                f"cache_leftpad must have shape ({q.shape[0]},), one per row, got "
+                f"{tuple(cache_leftpad.shape)}"
+            )
+        _validate.check_same_device("cache_leftpad", cache_leftpad, "q", q)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    out, lse = torch.ops.normbook.decode_attention(
         q,
         k_cache,
         v_cache,
@@ -541,7 +598,10 @@ def decode_attention(
         softcap,
         k_scale,
         v_scale,
+        cache_leftpad,
+        return_lse,
     )
+    return (out, lse) if return_lse else out
 
 
 # ---------------------------------------------------------------- the operator
@@ -560,16 +620,29 @@ def _op(
     softcap: float | None,
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
-) -> torch.Tensor:
+    cache_leftpad: torch.Tensor | None = None,
+    return_lse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.ops.normbook.decode_attention``: checked arguments (``_check``'s). The
     lengths, block-table entries and an fp8 cache's scales are checked here, before the
     launch: they are values (one host read). No autograd: the public function refuses
-    inputs that require grad."""
+    inputs that require grad. Returns (out, lse), lse empty without return_lse."""
+    B, H, Sq, _ = q.shape
+    lse = torch.empty((B, H, Sq) if return_lse else (0,), dtype=torch.float32,
+                      device=q.device)  # fmt: skip
     if q.numel() == 0:
-        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse.fill_(float("inf"))
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device), lse
     num_blocks = k_cache.shape[0]
     _check_values(cache_seqlens, block_table, capacity, num_blocks, k_scale, v_scale)
-    return _forward(
+    if cache_leftpad is not None:
+        pad, n = cache_leftpad.to(torch.int64), cache_seqlens.to(torch.int64)
+        if bool(((pad < 0) | (pad > n)).any()):
+            raise ValueError(
+                "cache_leftpad must lie in [0, cache_seqlens[b]] in every row, got "
+                f"{pad.tolist()} for lengths {n.tolist()}"
+            )
+    out = _forward(
         q,
         k_cache,
         v_cache,
@@ -581,7 +654,10 @@ def _op(
         softcap,
         k_scale,
         v_scale,
+        cache_leftpad=cache_leftpad,
+        lse=lse if return_lse else None,
     )
+    return out, lse
 
 
 @_op.register_fake
@@ -597,5 +673,9 @@ def _(
     softcap,
     k_scale,
     v_scale,
+    cache_leftpad=None,
+    return_lse=False,
 ):
-    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    B, H, Sq, _ = q.shape
+    lse = q.new_empty((B, H, Sq) if return_lse else (0,), dtype=torch.float32)
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device), lse
