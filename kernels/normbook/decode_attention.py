@@ -547,8 +547,8 @@ def decode_attention(
 
     Returns ``(B, H, S_q, D)`` in q's dtype (and the lse, with ``return_lse``). Scores
     and softmax state in fp32, probabilities rounded to q's dtype before multiplying V
-    (as FlashAttention). A row's bits do not depend on the batch, the other rows, the capacity, or paged vs
-    contiguous storage.
+    (as FlashAttention). A row's bits do not depend on the batch, the other rows, the
+    capacity, or paged vs contiguous storage.
 
     Raises:
         TypeError / ValueError naming the bad argument, before any launch. Structural
