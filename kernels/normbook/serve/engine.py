@@ -65,7 +65,8 @@ class Engine:
     ``add_request`` queues a prompt; each ``step`` schedules, runs the draft (if any)
     and one target forward pass, samples, and returns ``[(id, new_token_ids,
     finished)]``; ``generate`` runs requests to the end. ``stats()`` counts blocks,
-    preemptions, shared prefixes and drafts. With ``record_logits = True`` the target
+    preemptions, shared prefixes and drafts; ``trace`` lists each step's (id, tokens,
+    kind). With ``record_logits = True`` the target
     logits each token was drawn from are kept (``logits_of(id)``).
     """
 
@@ -118,6 +119,7 @@ class Engine:
         self.running: list = []
         self.requests: dict = {}
         self.record_logits = False
+        self.trace: list = []  # per step: (id, target tokens, prefill/decode/verify)
         self._next_id = 0
         self._stats = dict(
             steps=0,
@@ -289,6 +291,20 @@ class Engine:
                 raise RuntimeError("no request could be scheduled")
             return []
         self._stats["steps"] += 1
+        self.trace.append(
+            [
+                (
+                    r.id,
+                    n,
+                    "verify"
+                    if k
+                    else "decode"
+                    if len(r.tokens) - r.seq.num_computed == 1
+                    else "prefill",
+                )
+                for r, n, k in plan
+            ]
+        )
         drafts = self._run_draft(plan) if self.K else {}
         chunks = []
         for r, n, k in plan:
