@@ -220,3 +220,30 @@ def test_bad_arguments(target):
     ]:
         with pytest.raises(exc, match=words):
             SamplingParams(**kw)
+
+
+def test_speculative_seeded_request_draws_the_same_alone_and_beside_another(
+    target, prompts
+):
+    """With drafts, a seeded sampled request's tokens do not depend on the batch: its
+    first token is always a plain draw (never a verification that a split prompt would
+    otherwise get), each later step verifies a number of drafts set by the request
+    alone, and a preempted request resumes with the verification it would have run.
+    Budget 8: beside the other request, the prompt is split differently."""
+    draft = tiny_qwen3(1, seed=1)
+    draft.load_state_dict(
+        {k: v for k, v in target.state_dict().items() if "layers.1." not in k}
+    )
+    mine = SamplingParams(temperature=1.0, seed=5, max_new_tokens=8)
+    kw = dict(max_num_batched_tokens=8, draft_model=draft, num_speculative_tokens=3)
+    alone = engine(target, **kw).generate([prompts[0]], mine)
+    e = engine(target, **kw)
+    e.add_request(prompts[3], SamplingParams(temperature=0, max_new_tokens=8))
+    e.step()
+    rid = e.add_request(prompts[0], mine)
+    while e.has_unfinished():
+        e.step()
+    small = engine(target, num_blocks=7, **kw)
+    both = small.generate([prompts[3], prompts[0]], [GREEDY, mine])
+    assert e.output_of(rid) == alone[0] == both[1]
+    assert small.stats()["preemptions"] > 0

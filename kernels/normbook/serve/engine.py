@@ -55,9 +55,11 @@ class Engine:
             prefilled in chunks over several steps, beside the others' decoding.
         batch_invariant: a request's bits do not depend on what runs beside it: the
             products are ``normbook.linear`` (rows independent of the batch), a
-            prompt is cut into chunks at fixed multiples of ``max_num_batched_tokens``
-            (a chunk waits for a step with room for all of it), and prefix sharing is
-            off (shared keys were computed in another request's chunks).
+            prompt is cut into chunks at fixed multiples of ``max_num_batched_tokens
+            − (max_num_seqs − 1)·(K + 1)`` tokens (at least 1: room beside everyone
+            else's decode tokens; a chunk waits for a step with room for all of it), and
+            prefix sharing is off (shared keys were computed in another request's
+            chunks).
         draft_model: a smaller Qwen3 with the same vocabulary, for speculative
             decoding; its own KV cache uses the same block tables.
         num_speculative_tokens: K >= 1 drafts per request per step with a draft model.
@@ -109,6 +111,13 @@ class Engine:
         self.K = num_speculative_tokens
         self.block_size, self.max_num_seqs = block_size, max_num_seqs
         self.budget = max_num_batched_tokens
+        # A batch-invariant engine cuts prompts at multiples of a chunk that fits beside
+        # every other running request's decode tokens (so a prompt never waits for an
+        # empty step)
+        self.chunk = max(
+            1,
+            max_num_batched_tokens - (max_num_seqs - 1) * (num_speculative_tokens + 1),
+        )
         self.batch_invariant = batch_invariant
         self.blocks = BlockManager(num_blocks, block_size, not batch_invariant)
         self.pool = KVPool(model, num_blocks, block_size)
@@ -217,11 +226,15 @@ class Engine:
         drafts; (0, 0) if it must wait for a step with more room."""
         start = r.seq.num_computed
         need = len(r.tokens) - start
-        if need == 1 and self.K and r.remaining > 1:  # decode with drafts
-            k = min(self.K, r.remaining - 1)
-            return (k + 1, k) if k + 1 <= budget else (0, 0)
-        if self.batch_invariant:  # cut at fixed multiples of the budget, or wait
-            n = min(need, self.budget - start % self.budget)
+        if self.K and r.output and r.remaining > 1:  # token 0 is always a plain draw
+            if need == 1:  # decode with drafts
+                k = min(self.K, r.remaining - 1)
+                return (k + 1, k) if k + 1 <= budget else (0, 0)
+            # recomputed after a preemption: all but the last token, whose step is a
+            # verification as it was before (a seeded request's draws do not change)
+            need -= 1
+        if self.batch_invariant:  # cut at fixed multiples of the chunk, or wait
+            n = min(need, self.chunk - start % self.chunk)
             return (n, 0) if n <= budget else (0, 0)
         return min(need, budget), 0
 
@@ -343,10 +356,13 @@ class Engine:
         for r, _, _ in plan:
             if r.id in new:
                 events.append((r.id, self._emit(r, new[r.id]), r.finished))
+                if self.record_logits:  # drafts past a stop token were not emitted
+                    del r.logits[len(r.output) :]
         for r in list(self.running):
             committed = r.seq.num_computed
             if self.K:
                 committed = min(committed, r.draft_computed)
+            committed = min(committed, len(r.tokens))  # drafts past a stop token
             self.blocks.commit(r.seq, r.tokens, committed)
             if r.finished:
                 self.blocks.free_all(r.seq)
@@ -443,7 +459,7 @@ class Engine:
         logits = self._penalized(logits, histories, params).double()
         greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         temps = torch.tensor(
-            [p.temperature or 1.0 for p in params],
+            [max(p.temperature, 1e-30) if p.temperature else 1.0 for p in params],
             dtype=torch.float64,
             device=logits.device,
         )
