@@ -167,16 +167,9 @@ def check(
             f"q must hold at least one new token per row (dimension 2), got {Sq}"
         )
     _check_tensor(cache_seqlens, "cache_seqlens")
-    if cache_seqlens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(
-            f"cache_seqlens must be int32 or int64, got {cache_seqlens.dtype}"
-        )
-    if tuple(cache_seqlens.shape) != (B,):
-        raise ValueError(
-            f"cache_seqlens must have shape ({B},), one length per row of "
-            f"q, got {tuple(cache_seqlens.shape)}"
-        )
-    _validate.check_same_device("cache_seqlens", cache_seqlens, "q", q)
+    _validate.check_index_vector(
+        cache_seqlens, "cache_seqlens", B, "one length per row of q", "q", q
+    )
     capacity = _check_table(block_table, k_cache, q, B)
     if scale is None:
         scale = D**-0.5

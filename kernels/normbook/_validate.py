@@ -56,6 +56,18 @@ def check_same_device(name: str, t, like_name: str, like) -> None:
         )
 
 
+def check_index_vector(t, name: str, n: int, per: str, like_name=None, like=None):
+    """An integer tensor of one index per row, ``(n,)`` int32 or int64 (lengths, slots,
+    counts); on ``like``'s device when ``like`` is given. ``per`` says what one entry
+    is for, in the shape's message."""
+    if t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
+    if tuple(t.shape) != (n,):
+        raise ValueError(f"{name} must have shape ({n},), {per}, got {tuple(t.shape)}")
+    if like is not None:
+        check_same_device(name, t, like_name, like)
+
+
 def check_param(p, name: str, n: int, like: torch.Tensor) -> None:
     """An optional per-feature parameter (weight or bias): None, or a float tensor of
     shape (n,) on x's device."""

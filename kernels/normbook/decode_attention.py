@@ -574,16 +574,9 @@ def decode_attention(
                 "cache_leftpad must be None or a (B,) integer tensor, got "
                 f"{type(cache_leftpad).__name__}"
             )
-        if cache_leftpad.dtype not in (torch.int32, torch.int64):
-            raise TypeError(
-                f"cache_leftpad must be int32 or int64, got {cache_leftpad.dtype}"
-            )
-        if tuple(cache_leftpad.shape) != (q.shape[0],):
-            raise ValueError(
-                f"cache_leftpad must have shape ({q.shape[0]},), one per row, got "
-                f"{tuple(cache_leftpad.shape)}"
-            )
-        _validate.check_same_device("cache_leftpad", cache_leftpad, "q", q)
+        _validate.check_index_vector(
+            cache_leftpad, "cache_leftpad", q.shape[0], "one per row", "q", q
+        )
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     out, lse = torch.ops.normbook.decode_attention(

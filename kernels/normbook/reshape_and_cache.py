@@ -103,15 +103,7 @@ def _check(key, value, key_cache, value_cache, slot_mapping):
             f"value_cache must have key_cache's shape {tuple(key_cache.shape)}, got "
             f"{tuple(value_cache.shape)}"
         )
-    if slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise TypeError(
-            f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}"
-        )
-    if tuple(slot_mapping.shape) != (T,):
-        raise ValueError(
-            f"slot_mapping must have shape ({T},), one slot per token, got "
-            f"{tuple(slot_mapping.shape)}"
-        )
+    _validate.check_index_vector(slot_mapping, "slot_mapping", T, "one slot per token")
     for name, t in (("value", value), ("key_cache", key_cache), ("value_cache",
                     value_cache), ("slot_mapping", slot_mapping)):  # fmt: skip
         _validate.check_same_device(name, t, "key", key)

@@ -82,26 +82,23 @@ def _check(draft_tokens, draft_probs, target_probs, generator):
 
 def _check_rows(draft_tokens, num_draft_tokens, generator):
     """num_draft_tokens and per-row seeds: their metadata (shape, dtype, device)."""
-    B, K = draft_tokens.shape
-    for name, t in (("num_draft_tokens", num_draft_tokens), ("generator", generator)):
-        if not isinstance(t, torch.Tensor):
-            continue
-        if t.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"{name} as a tensor must be int32 or int64, got {t.dtype}")
-        if tuple(t.shape) != (B,):
-            raise ValueError(
-                f"{name} as a tensor must have shape ({B},), one per row, got "
-                f"{tuple(t.shape)}"
-            )
+    B = draft_tokens.shape[0]
     if num_draft_tokens is not None and not isinstance(num_draft_tokens, torch.Tensor):
         raise TypeError(
             "num_draft_tokens must be None or a (B,) integer tensor, got "
             f"{type(num_draft_tokens).__name__}"
         )
-    if isinstance(num_draft_tokens, torch.Tensor):
-        _validate.check_same_device(
-            "num_draft_tokens", num_draft_tokens, "draft_tokens", draft_tokens
+    if num_draft_tokens is not None:
+        _validate.check_index_vector(
+            num_draft_tokens,
+            "num_draft_tokens",
+            B,
+            "one per row",
+            "draft_tokens",
+            draft_tokens,
         )
+    if isinstance(generator, torch.Tensor):  # seeds: any device, read on the host
+        _validate.check_index_vector(generator, "generator", B, "one seed per row")
 
 
 def _check_values(draft_tokens, q, p, n):

@@ -1,19 +1,11 @@
 """A request's sampling parameters, as vLLM's ``SamplingParams`` (the names kept)."""
 
-import math
 import numbers
 from dataclasses import dataclass
 
+from ..sampling import _real
+
 MAX_SEED = 2**63
-
-
-def _real(value, name):
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return value
 
 
 def _int(value, name):
