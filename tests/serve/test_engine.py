@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import normbook
+from normbook.decode_attention import KV_CHUNK
 from normbook.serve import Engine, SamplingParams
 
 transformers = pytest.importorskip("transformers")
@@ -186,6 +187,38 @@ def test_batch_invariant_request_has_the_same_bits_beside_others(target, prompts
     beside, beside_logits = run(True)
     assert alone == beside and len(alone_logits) == 6
     assert all(torch.equal(a, b) for a, b in zip(alone_logits, beside_logits))
+
+
+def test_batch_invariant_prefill_and_decode_give_a_token_the_same_bits():
+    """The logits a token is drawn from when its request decodes it are the same bits
+    as when the same text comes back as a prompt, prefilled in one chunk (an RL
+    trainer's re-scoring of its own samples), and as when that prompt takes its keys
+    from a cached prefix. KV_CHUNK + 2 prompt tokens: past one of decode_attention's
+    chunks, where attention_varlen over the whole prompt rounds otherwise (a planted
+    bug, varlen for prefill, fails the first comparison; with fewer keys it passes).
+    One layer: the per-token prefill costs a program per token at interpreter speed."""
+    model = tiny_qwen3(1, seed=1)
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, 256, (KV_CHUNK + 2,), generator=g).tolist()
+    e = engine(model, num_blocks=48, max_num_batched_tokens=160, batch_invariant=True)
+    e.record_logits = True
+    rid = e.add_request(
+        prompt, SamplingParams(temperature=0.8, seed=3, max_new_tokens=3)
+    )
+    while e.has_unfinished():
+        e.step()
+    decoded, decoded_logits = e.output_of(rid), e.logits_of(rid)
+    once = SamplingParams(temperature=0, max_new_tokens=1)
+    fresh = engine(model, num_blocks=48, max_num_batched_tokens=160,
+                   batch_invariant=True)  # fmt: skip
+    fresh.record_logits = True
+    whole = fresh.add_request(prompt + decoded[:2], once)
+    fresh.step()  # the whole text in one chunk
+    assert torch.equal(fresh.logits_of(whole)[0], decoded_logits[2])
+    shared = fresh.add_request(prompt + decoded[:1], once)
+    fresh.step()
+    assert fresh.stats()["shared_prefix_tokens"] >= KV_CHUNK  # 3 tokens computed
+    assert torch.equal(fresh.logits_of(shared)[0], decoded_logits[1])
 
 
 def test_bad_arguments(target):

@@ -53,13 +53,14 @@ class Engine:
         max_num_batched_tokens: a step's token budget: decode tokens, drafts to
             verify and prefill chunks together. A prompt longer than what is left is
             prefilled in chunks over several steps, beside the others' decoding.
-        batch_invariant: a request's bits do not depend on what runs beside it: the
-            products are ``normbook.linear`` (rows independent of the batch), a
-            prompt is cut into chunks at fixed multiples of ``max_num_batched_tokens
-            − (max_num_seqs − 1)·(K + 1)`` tokens (at least 1: room beside everyone
-            else's decode tokens; a chunk waits for a step with room for all of it), and
-            prefix sharing is off (shared keys were computed in another request's
-            chunks).
+        batch_invariant: a request's bits do not depend on what runs beside it, nor
+            on how its tokens arrive (in a prompt, a chunk, a decode step or a
+            verification): the products are ``normbook.linear`` (rows independent of
+            the batch), and every new token attends through ``decode_attention`` as
+            its own row, over the keys up to its own, as a decode step computes it.
+            So a shared prefix's keys are the ones a request would compute itself,
+            and prefix sharing stays on. The price: attention's fp32 partial states
+            grow as the step's tokens times the longest table's chunks.
         draft_model: a smaller Qwen3 with the same vocabulary, for speculative
             decoding; its own KV cache uses the same block tables.
         num_speculative_tokens: K >= 1 drafts per request per step with a draft model.
@@ -111,15 +112,8 @@ class Engine:
         self.K = num_speculative_tokens
         self.block_size, self.max_num_seqs = block_size, max_num_seqs
         self.budget = max_num_batched_tokens
-        # A batch-invariant engine cuts prompts at multiples of a chunk that fits beside
-        # every other running request's decode tokens (so a prompt never waits for an
-        # empty step)
-        self.chunk = max(
-            1,
-            max_num_batched_tokens - (max_num_seqs - 1) * (num_speculative_tokens + 1),
-        )
         self.batch_invariant = batch_invariant
-        self.blocks = BlockManager(num_blocks, block_size, not batch_invariant)
+        self.blocks = BlockManager(num_blocks, block_size)
         self.pool = KVPool(model, num_blocks, block_size)
         self.draft_pool = (
             KVPool(draft_model, num_blocks, block_size) if self.K else None
@@ -233,9 +227,6 @@ class Engine:
             # recomputed after a preemption: all but the last token, whose step is a
             # verification as it was before (a seeded request's draws do not change)
             need -= 1
-        if self.batch_invariant:  # cut at fixed multiples of the chunk, or wait
-            n = min(need, self.chunk - start % self.chunk)
-            return (n, 0) if n <= budget else (0, 0)
         return min(need, budget), 0
 
     def _preempt(self, r):

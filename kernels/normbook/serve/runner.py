@@ -17,6 +17,10 @@ modules; every operation is a ``normbook`` kernel:
   causal (bottom-right), over the request's keys gathered from the cache into one
   packed tensor: its fp32 state is sized by the chunk, where ``decode_attention``'s
   partial states grow with the chunk times the cache's capacity;
+  A batch-invariant engine instead gives every new token its own row of one
+  ``decode_attention`` launch (``S_q = 1``, its keys up to its own): the computation a
+  decode step gives it, so a token's bits do not depend on whether it was prefilled,
+  decoded or verified, nor on how its prompt was chunked;
 * the matrix products: ``torch.nn.functional.linear`` over the whole step, or, for a
   batch-invariant engine, ``normbook.linear``, whose rows do not depend on the others;
 * the LM head only at the positions whose logits are sampled.
@@ -102,11 +106,15 @@ class _Plan:
     """How the step's attention is launched: the decode groups (one per chunk
     length) and the varlen set, with their index tensors, built once per step."""
 
-    def __init__(self, chunks, block_size, device):
+    def __init__(self, chunks, block_size, device, per_token=False):
         starts, offset = [], 0
         for c in chunks:
             starts.append(offset)
             offset += len(c.tokens)
+        self.groups = []
+        if per_token:
+            self._per_token(chunks, starts, device)
+            return
         self.decode, varlen = {}, []
         for i, c in enumerate(chunks):
             n = len(c.tokens)
@@ -114,7 +122,6 @@ class _Plan:
                 self.decode.setdefault(n, []).append(i)
             else:
                 varlen.append(i)
-        self.groups = []
         for n, members in sorted(self.decode.items()):
             rows = torch.tensor(
                 [starts[i] + j for i in members for j in range(n)], device=device
@@ -153,6 +160,27 @@ class _Plan:
                 max_k,
             )
 
+    def _per_token(self, chunks, starts, device):
+        """Every new token its own row of one ``decode_attention`` launch (S_q = 1),
+        over the keys up to and including its own: the computation a decode step
+        gives that token, whatever chunk, prompt or verification it arrives in."""
+        rows, lens, tables = [], [], []
+        width = max(len(c.blocks) for c in chunks)
+        for i, c in enumerate(chunks):
+            for j in range(len(c.tokens)):
+                rows.append(starts[i] + j)
+                lens.append(c.start + j + 1)
+                tables.append(c.blocks + [-1] * (width - len(c.blocks)))
+        self.groups.append(
+            (
+                1,
+                torch.tensor(rows, device=device),
+                torch.tensor(lens, dtype=torch.int32, device=device),
+                torch.tensor(tables, dtype=torch.int32, device=device),
+            )
+        )
+        self.varlen = None
+
 
 def _attend(q, kc, vc, plan, scale):
     """q (T, H, D) → o (T, H, D) over the cache (which already holds the step's
@@ -187,7 +215,7 @@ def forward(model, pool: KVPool, chunks: list, batch_invariant: bool = False):
         device=device,
     )
     slots = _slots(chunks, pool.block_size, device)
-    plan = _Plan(chunks, pool.block_size, device)
+    plan = _Plan(chunks, pool.block_size, device, per_token=batch_invariant)
     x = model.model.embed_tokens(tokens)[None]  # (1, T, hidden)
     cos, sin = model.model.rotary_emb(x, positions[None])
     residual = None
