@@ -14,8 +14,9 @@ the one :func:`normbook.decode_attention` reads). A slot of -1 is a token to ski
 (padding). One program per (token, k/v head) copies ``D`` contiguous values of the key
 and of the value: a copy, no arithmetic, so the cache holds the tokens' bits.
 
-A Python loop of per-request scatters (the decoding chapter's first server) launches
-two copies per request per layer; this is one launch per layer for the whole batch.
+A Python loop of per-request scatters (what the serving chapter's miniature server did
+before it used this) launches two copies per request per layer; this is one launch per
+layer for the whole batch.
 """
 
 import torch

@@ -9,12 +9,12 @@ one pass and gave :math:`p_1 … p_{K+1}`. For each row, in order:
   :math:`\mathrm{norm}(\max(0, p_i - q_i))` and stop;
 * if all K are accepted, emit a bonus token drawn from :math:`p_{K+1}`.
 
-Every emitted token is then distributed exactly as :math:`p_i` (the chapter "Decoding
-one token at a time" proves it with sympy): speculation changes the speed, never the
+Every emitted token is then distributed exactly as :math:`p_i` (the chapter
+"Speculative decoding" proves it with sympy): speculation changes the speed, never the
 distribution.
 
-This implementation is PyTorch (vectorized over rows, no Python loop over them), not a
-Triton kernel: its work is K gathers and one inverse-CDF draw over the vocabulary per
+This implementation is PyTorch (vectorized over rows; only per-row seeds draw their
+uniforms in a Python loop over the rows, on the CPU), not a Triton kernel: its work is K gathers and one inverse-CDF draw over the vocabulary per
 row, a few passes over ``(B, K+1, V)`` probabilities the target's forward pass already
 wrote. Random numbers: one float64 uniform per (row, position) for the acceptance tests
 and one per row for the emitted token, from a CPU ``torch.Generator`` seeded with

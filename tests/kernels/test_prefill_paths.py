@@ -1,10 +1,11 @@
 """A prompt's prefill two ways: normbook.attention (causal, over the prompt's own keys)
 against normbook.decode_attention (the prompt as S_q new tokens of an empty cache).
 
-The decoding chapter's server prefills with the first: decode_attention keeps fp32
-partial states for every chunk of the cache's capacity and every query row, which the
-second test checks byte for byte against the formula the chapter uses. The two kernels
-sum the keys in different orders, so they agree to fp32 rounding, not bit for bit.
+The serving chapter's miniature server prefills with the first: decode_attention keeps
+fp32 partial states for every chunk of the cache's capacity and every query row, which
+the second test checks byte for byte against the formula the chapter uses. Past one
+chunk of KV_CHUNK keys the two kernels sum the keys in different orders, so they agree
+to fp32 rounding, not necessarily bit for bit.
 """
 
 import torch
@@ -17,7 +18,7 @@ from normbook.decode_attention import KV_CHUNK, _forward
 
 def partials_bytes(prompt, capacity, H_kv, group, D):
     """decode_attention's fp32 partial states (acc, m, l) for one prefill, one layer
-    (the decoding chapter's formula)."""
+    (the serving chapter's formula)."""
     chunks = -(-capacity // KV_CHUNK)
     return H_kv * chunks * group * prompt * (D + 2) * 4
 
