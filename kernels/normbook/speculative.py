@@ -14,10 +14,11 @@ Every emitted token is then distributed exactly as :math:`p_i` (the chapter
 distribution.
 
 This implementation is PyTorch (vectorized over rows; only per-row seeds draw their
-uniforms in a Python loop over the rows, on the CPU), not a Triton kernel: its work is K gathers and one inverse-CDF draw over the vocabulary per
-row, a few passes over ``(B, K+1, V)`` probabilities the target's forward pass already
-wrote. Random numbers: one float64 uniform per (row, position) for the acceptance tests
-and one per row for the emitted token, from a CPU ``torch.Generator`` seeded with
+uniforms in a Python loop over the rows, on the CPU), not a Triton kernel: its work is
+K gathers and one inverse-CDF draw over the vocabulary per row, a few passes over
+``(B, K+1, V)`` probabilities the target's forward pass already wrote. Random numbers:
+one float64 uniform per (row, position) for the acceptance tests and one per row for
+the emitted token, from a CPU ``torch.Generator`` seeded with
 :func:`normbook.sampling.philox_seed`'s 64-bit key, so that results depend only on the
 seed, never on the device.
 """
