@@ -107,7 +107,9 @@ def execute_all(workers: int | None = None) -> dict[str, ChapterResult]:
         notebooks = [p for p in notebooks if p.stem in only]
     workers = workers or min(2, os.cpu_count() or 1)
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        results = list(pool.map(execute, notebooks))
+        results = list(pool.map(execute, chapters.longest_first(notebooks)))
+    order = {p: i for i, p in enumerate(notebooks)}  # reported in the book's order
+    results.sort(key=lambda r: order.get(r.path, len(order)))
     LAST_RUN.clear()
     LAST_RUN.update({r.path.stem: r for r in results})
     return dict(LAST_RUN)

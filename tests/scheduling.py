@@ -105,12 +105,6 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    # pytest-xdist >= 3.6 hands out the largest xdist groups first (its "loadscope
-    # reorder"): a page's browser tests, which wait for the book, would then occupy
-    # every worker at the start while the book builds in the background (measured: both
-    # workers idle 210 s). Collection order, as this plugin sorts it, instead.
-    if hasattr(config.option, "loadscopereorder"):
-        config.option.loadscopereorder = False
     config.addinivalue_line(
         "markers", "xdist_group(name): tests that pytest-xdist keeps on one worker"
     )

@@ -47,6 +47,24 @@ def notebooks(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
     ]
 
 
+#: Seconds each chapter took to execute in the test run on a 2-core CPU, beside the tests
+#: (2026-12-07, Triton's interpreter): only their order matters, for longest_first.
+SECONDS = {
+    "serving": 105, "variance": 74, "qwen3_block": 73, "backward": 50,
+    "online_softmax": 43, "qk_norm_rope": 39, "matmul": 39, "rms_norm": 37,
+    "sampling": 31, "layer_norm": 29, "decoding": 27, "speed_of_light": 26,
+    "why_normalize": 22, "norm_placement": 21, "attention_backward": 21, "fp8": 19,
+    "softmax": 18, "causal_masks": 16, "gpu_primer": 15, "speculative_decoding": 9,
+}  # fmt: skip
+
+
+def longest_first(paths: list[pathlib.Path]) -> list[pathlib.Path]:
+    """The chapters in the order to hand them to parallel kernels: the longest first, so
+    that no core is left with one long chapter at the end while the other idles (a new
+    chapter, not in SECONDS, counts as the longest)."""
+    return sorted(paths, key=lambda p: -SECONDS.get(p.stem, 10**6))
+
+
 @dataclass
 class Execution:
     """One chapter executed: ``nb`` holds its outputs (up to the failing cell)."""

@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     cache = get_cache(str(CACHE))
     STAMP.write_text(want)
 
-    every = chapters.notebooks(ROOT)
+    every = chapters.longest_first(chapters.notebooks(ROOT))
     todo = []
     for path in every:
         nb = nbformat.read(path, as_version=4)
