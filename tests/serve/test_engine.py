@@ -147,6 +147,17 @@ def test_repetition_penalty_is_hf_processor(target, prompts):
     assert got == [hf_greedy(target, p, 8, repetition_penalty=1.5) for p in prompts[:3]]
 
 
+def test_drafts_past_a_stop_token_are_not_counted_as_accepted(target, prompts, want):
+    """The target as its own draft: every draft is accepted, and the second step's
+    three drafts run past the stop token (want[2]); two of them were emitted."""
+    assert want[0][2] not in want[0][:2]
+    stop = SamplingParams(temperature=0, max_new_tokens=6, stop_token_ids=[want[0][2]])
+    e = engine(target, draft_model=target, num_speculative_tokens=3)
+    assert e.generate([prompts[0]], stop) == [want[0][:3]]
+    s = e.stats()
+    assert s["drafted"] == 3 and s["accepted"] == 2
+
+
 def test_speculative_greedy_is_the_targets_greedy(target, prompts, want):
     """A layer-skipping draft (the target's first layer): it agrees often but not
     always, so acceptance is ragged across the batch; three run at once."""

@@ -341,12 +341,17 @@ class Engine:
             if self.record_logits:
                 r.logits.append(row)
         self._stats["mixed_steps"] += len(kinds) == 2  # prefill beside decoding
+        accepted = {}
         if spec:
-            new.update(self._verify(spec, drafts))
+            verified, accepted = self._verify(spec, drafts)
+            new.update(verified)
         events = []
         for r, _, _ in plan:
             if r.id in new:
-                events.append((r.id, self._emit(r, new[r.id]), r.finished))
+                emitted = self._emit(r, new[r.id])
+                events.append((r.id, emitted, r.finished))
+                # accepted drafts past a stop token were not emitted: not counted
+                self._stats["accepted"] += min(accepted.get(r.id, 0), len(emitted))
                 if self.record_logits:  # drafts past a stop token were not emitted
                     del r.logits[len(r.output) :]
         for r in list(self.running):
@@ -518,7 +523,8 @@ class Engine:
 
     def _verify(self, spec, drafts):
         """speculative_sample over the decoding requests (ragged k), each with its
-        own seed; both caches keep the accepted tokens only."""
+        own seed; both caches keep the accepted tokens only. Returns the tokens and
+        the accepted drafts' count of each request."""
         dev = spec[0][2].device
         B, Kmax, V = len(spec), max(k for _, k, _ in spec), spec[0][2].shape[-1]
         tokens = torch.full((B, Kmax), -1, dtype=torch.int64, device=dev)
@@ -537,13 +543,12 @@ class Engine:
         out, accepted = normbook.speculative_sample(
             tokens, q, p, num_draft_tokens=counts, generator=seeds
         )
-        new = {}
+        new, kept = {}, {}
         for (r, _, lg), row, a in zip(spec, out.tolist(), accepted.tolist()):
-            new[r.id] = row[: a + 1]
+            new[r.id], kept[r.id] = row[: a + 1], a
             if self.record_logits:
                 r.logits.extend(lg[: a + 1])
             start = r.seq.num_computed  # the last token's position + 1
             self.blocks.truncate(r.seq, start + a)
             r.draft_computed = min(r.draft_computed, start + a)
-            self._stats["accepted"] += a
-        return new
+        return new, kept
