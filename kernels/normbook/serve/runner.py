@@ -111,18 +111,18 @@ class _Plan:
         for c in chunks:
             starts.append(offset)
             offset += len(c.tokens)
-        self.groups = []
+        self.groups, self.varlen = [], None
         if per_token:
             self._per_token(chunks, starts, device)
             return
-        self.decode, varlen = {}, []
+        decode, varlen = {}, []
         for i, c in enumerate(chunks):
             n = len(c.tokens)
             if c.start > 0 and n <= DECODE_MAX_Q:
-                self.decode.setdefault(n, []).append(i)
+                decode.setdefault(n, []).append(i)
             else:
                 varlen.append(i)
-        for n, members in sorted(self.decode.items()):
+        for n, members in sorted(decode.items()):
             rows = torch.tensor(
                 [starts[i] + j for i in members for j in range(n)], device=device
             )
@@ -134,7 +134,6 @@ class _Plan:
             for r, i in enumerate(members):
                 table[r, : len(chunks[i].blocks)] = torch.tensor(chunks[i].blocks)
             self.groups.append((n, rows, lens, table.to(device)))
-        self.varlen = None
         if varlen:
             rows, keys, cu_q, cu_k = [], [], [0], [0]
             for i in varlen:
@@ -179,7 +178,6 @@ class _Plan:
                 torch.tensor(tables, dtype=torch.int32, device=device),
             )
         )
-        self.varlen = None
 
 
 def _attend(q, kc, vc, plan, scale):
