@@ -121,9 +121,81 @@ def _interpreter_index_fix() -> bool:
     return True
 
 
+def _interpreter_nested_call_fix() -> bool:
+    """Let the interpreter patch ``triton.language`` once per launch, not once per call of
+    a ``@triton.jit`` helper.
+
+    A launch (``GridExecutor.__call__``) patches the language modules that the kernel's
+    globals name and restores them when its grid is done. A call of a ``@jit`` helper
+    inside it (``InterpretedFunction.__call__``: ``tl.sum``, ``tl.cdiv``, the kernels'
+    own device functions) patches them again, about a millisecond of
+    ``inspect.getmembers`` each time, and keeps nothing from it: the second patch finds
+    the builtins already replaced and sets the same attributes to equivalent values.
+    Measured here, 4,231 such calls were 4.2 s of a 14.4 s engine run. This makes a
+    helper's patch a no-op when the launch in progress has already patched the same
+    language modules (``_patch_lang`` reads nothing of the function but which of
+    ``triton.language`` and ``triton.language.core`` its globals hold); a helper that
+    names another one (Triton's ``standard.py`` names ``core``) is patched as before.
+    Outside a launch nothing changes. Returns whether it was installed."""
+    import inspect
+    import threading
+
+    import triton.language as tl
+    import triton.runtime.interpreter as interpreter
+
+    original = getattr(interpreter, "_patch_lang", None)
+    executor = getattr(interpreter, "GridExecutor", None)
+    function = getattr(interpreter, "InterpretedFunction", None)
+    if original is None or executor is None or function is None:
+        return False
+    if getattr(original, "normbook_fix", False):
+        return False
+    try:
+        nested = inspect.getsource(function.__call__)
+        launch = inspect.getsource(executor.__call__)
+    except (OSError, TypeError):
+        return False
+    if "_patch_lang(self.fn)" not in nested or "_patch_lang(self.fn)" not in launch:
+        return False  # another interpreter than the one this was written for
+
+    state = threading.local()  # the language modules patched by the launch in progress
+
+    class _Unchanged:
+        def restore(self):
+            pass
+
+    def patch_lang(fn):
+        patched = getattr(state, "patched", None)
+        langs = frozenset(
+            id(v) for v in fn.__globals__.values() if v is tl or v is tl.core
+        )
+        if patched is not None and langs <= patched:
+            return _Unchanged()
+        scope = original(fn)
+        if patched is not None:
+            patched.update(langs)
+        return scope
+
+    launch_call = executor.__call__
+
+    def call(self, *args, **kwargs):
+        outer = getattr(state, "patched", None)
+        state.patched = set()
+        try:
+            return launch_call(self, *args, **kwargs)
+        finally:
+            state.patched = outer
+
+    patch_lang.normbook_fix = True
+    interpreter._patch_lang = patch_lang
+    executor.__call__ = call
+    return True
+
+
 if INTERPRET:
     _interpret_triton_library()
     _interpreter_index_fix()
+    _interpreter_nested_call_fix()
 
 DEVICE = torch.device("cuda" if HAS_CUDA and not INTERPRET else "cpu")
 
