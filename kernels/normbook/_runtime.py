@@ -122,8 +122,8 @@ def _interpreter_index_fix() -> bool:
 
 
 def _interpreter_nested_call_fix() -> bool:
-    """Let the interpreter patch ``triton.language`` once per launch, not once per call of
-    a ``@triton.jit`` helper.
+    """Let the interpreter patch ``triton.language`` once per launch, not once per
+    call of a ``@triton.jit`` helper.
 
     A launch (``GridExecutor.__call__``) patches the language modules that the kernel's
     globals name and restores them when its grid is done. A call of a ``@jit`` helper

@@ -13,7 +13,9 @@ import triton.language as tl
 import normbook
 from normbook import DEVICE
 
-pytestmark = pytest.mark.skipif(not normbook.INTERPRET, reason="the interpreter's repair")
+pytestmark = pytest.mark.skipif(
+    not normbook.INTERPRET, reason="the interpreter's repair"
+)
 
 
 @triton.jit
