@@ -172,6 +172,31 @@ def test_a_failing_or_wrong_provider_does_not_stop_the_run():
     )
 
 
+def test_an_in_place_call_is_checked_on_what_it_alone_wrote(monkeypatch):
+    """reshape_and_cache writes its caches in place: the providers share the inputs
+    they are timed on, so each is checked on fresh copies of the pristine caches. A
+    kernel that forgets a token mismatches; eager PyTorch, run after it on the caches
+    it wrote into, is still right."""
+    import sys
+
+    module = sys.modules["normbook.reshape_and_cache"]
+    real = module._forward
+
+    def forgets_the_last_token(key, value, key_cache, value_cache, slots):
+        real(key[:-1], value[:-1], key_cache, value_cache, slots[:-1])
+
+    monkeypatch.setattr(module, "_forward", forgets_the_last_token)
+    (case,) = [c for c in bench.CASES if c.kernel == "reshape_and_cache"]
+    problem = case.build(16, 256, torch.float32, DEVICE)
+    rows = bench.run_problem(
+        case, problem, 16, 256, ["normbook", "torch eager"], bench.wall_time_ms,
+        1.0, torch.float32, compile_ok=False,
+    )  # fmt: skip
+    by = {r["provider"]: r for r in rows}
+    assert by["normbook"]["check"].startswith("MISMATCH")
+    assert by["torch eager"]["check"] == "ok"
+
+
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="on a GPU the full run is allowed")
 def test_full_run_without_a_gpu_is_refused_and_writes_nothing():
     before = sorted(bench.DATA_DIR.glob("*")) if bench.DATA_DIR.is_dir() else []

@@ -73,6 +73,12 @@ class KernelSpec:
     integer_outputs: bool = False  # token indices: no gradient by nature
     #: the op module (normbook/<module>.py, tests/test_<module>.py), if not the name
     module: str = ""
+    #: A call that writes into its arguments and returns nothing (a KV cache written
+    #: in place): the arguments it writes, and a function of the call's arguments that
+    #: makes the call and returns them. The benchmark, the inspector and the compile
+    #: test call that function; each checked call gets fresh copies of ``mutates``.
+    mutates: tuple = ()
+    returning: Callable | None = None
 
     @property
     def module_name(self) -> str:
@@ -83,9 +89,11 @@ class KernelSpec:
         return not isinstance(self.inspect, str)
 
     def fn(self):
+        """The call as the benchmark, the inspector and the compile test make it: the
+        public function, or for an in-place call its :attr:`returning` wrapper."""
         import normbook
 
-        return getattr(normbook, self.name)
+        return self.returning or getattr(normbook, self.name)
 
     def call(self, **inputs):
         return self.fn()(**inputs, **self.kwargs)
@@ -135,6 +143,16 @@ class Make:
         if self.empty:
             return torch.zeros(n, dtype=torch.int64, device=self.device)
         return torch.randint(0, high, (n,), device=self.device)
+
+    def slots(self, n, high):
+        """``n`` distinct slots of ``high`` (a paged cache's slot mapping): scattered
+        at random, or 0 … n-1 for the inspector (distinct: the call refuses a slot
+        twice)."""
+        import torch
+
+        if self.empty:
+            return torch.arange(n, dtype=torch.int64, device=self.device)
+        return torch.randperm(high, device=self.device)[:n]
 
     def lengths(self, n, value):
         import torch

@@ -114,3 +114,52 @@ def _penalize_formula(
     r = torch.where(logits < 0, logits * rho, logits / rho)
     y = torch.where(seen, r, logits) - frequency_penalty * counts
     return y - presence_penalty * seen.to(logits.dtype)
+
+
+def _reshape_and_cache_inputs(M, N, make):
+    """M new tokens (a decode batch, or a prefill chunk) written into a paged cache of
+    at least N slots (Qwen3-8B's 8 key/value heads of 128; a small
+    model's 2 heads of 64 at N <= 256), each to a slot of its own, scattered."""
+    hk, d = (DECODE_HEADS[1], HEAD_DIM) if N > 256 else (2, 64)
+    blocks = -(-max(N, M) // DECODE_PAGE)
+    cache = (blocks, hk, DECODE_PAGE, d)
+    return {
+        "key": make(M, hk, d),
+        "value": make(M, hk, d),
+        "key_cache": make(*cache, checked=False),
+        "value_cache": make(*cache, checked=False),
+        "slot_mapping": make.slots(M, blocks * DECODE_PAGE),
+    }
+
+
+def _reshape_and_cache_returning(key, value, key_cache, value_cache, slot_mapping):
+    """normbook.reshape_and_cache, returning the caches it wrote (the spec's call)."""
+    import normbook
+
+    normbook.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    return key_cache, value_cache
+
+
+def _reshape_and_cache_formula(key, value, key_cache, value_cache, slot_mapping):
+    """vLLM's reference in PyTorch: each kept token's keys and values put at block
+    slot // page, offset slot % page (an indexed write, in place)."""
+    page = key_cache.shape[2]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    key_cache[slots // page, :, slots % page] = key[keep]
+    value_cache[slots // page, :, slots % page] = value[keep]
+    return key_cache, value_cache
+
+
+def _reshape_and_cache_bytes(a, backward):
+    # read the new keys, values and slots; write as many bytes into the caches
+    k, v = a["key"], a["value"]
+    return _bytes(k, v, k, v, a["slot_mapping"])
+
+
+def _reshape_and_cache_shapes(smoke):
+    """A decode batch (1, 8 or 64 tokens) and a 2,048-token prefill chunk, into a
+    32,768-slot cache."""
+    if smoke:
+        return [(16, 256, "decode")]
+    return [(m, 32768, "decode") for m in (*DECODE_M, 2048)]

@@ -75,6 +75,11 @@ from .spec_decode import (  # noqa: F401  (DECODE_*: the benchmark reads them he
     _penalize_bytes,
     _penalize_formula,
     _penalize_inputs,
+    _reshape_and_cache_bytes,
+    _reshape_and_cache_formula,
+    _reshape_and_cache_inputs,
+    _reshape_and_cache_returning,
+    _reshape_and_cache_shapes,
     _sample_bytes,
     _sample_inputs,
 )
@@ -401,6 +406,25 @@ SPECS = (
         inspect=("decode", "odd"),
         inspect_dtypes=_NO_FP64,
         inspect_s=8,
+    ),
+    KernelSpec(
+        "reshape_and_cache",
+        _reshape_and_cache_inputs,
+        (),
+        {},
+        _reshape_and_cache_formula,
+        "Liger has no KV-cache kernel",
+        _reshape_and_cache_bytes,
+        {"forward": ""},
+        _reshape_and_cache_shapes,
+        # a decode batch of Qwen3-8B, and a prefill chunk
+        plan=Plan(((1, 32768), (64, 32768), (2048, 32768)), (0, 2), ((16, 256),)),
+        inspect=("decode",),
+        inspect_dtypes=_NO_FP64,  # the kernel copies fp32, fp16 and bf16
+        inspect_s=6,
+        # in place: the caches written, returned by a wrapper for the checks
+        mutates=("key_cache", "value_cache"),
+        returning=_reshape_and_cache_returning,
     ),
     KernelSpec(
         "qk_norm_rope",

@@ -75,6 +75,10 @@ class Problem:
     # mask), for the record: the inspector's prediction pairs with a row only where its
     # own call passes the same (normbook.lab.pairing)
     params: dict = field(default_factory=dict)
+    # an in-place call's written inputs (KV caches): position -> its values before any
+    # call. Each checked call writes into fresh copies of these; the timed calls write
+    # into the inputs themselves.
+    pristine: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -155,6 +159,7 @@ def problem(spec, direction: str, M: int, N: int, dtype, device) -> Problem:
         grad_outputs=grads,
         shape=shape,
         params=dict(spec.kwargs),
+        pristine={names.index(n): args[n].clone() for n in spec.mutates},
     )
 
 

@@ -55,7 +55,15 @@ def _as_tuple(out):
 def _timed_call(fn: Callable, problem: Problem):
     """(zero-argument callable to time, callable returning the results to check)."""
     if not problem.wrt:
-        return (lambda: fn(*problem.inputs)), (lambda: _as_tuple(fn(*problem.inputs)))
+
+        def checked():
+            # an in-place call writes into fresh copies of its pristine inputs, so each
+            # provider is checked on what it alone wrote
+            inputs = [problem.pristine[i].clone() if i in problem.pristine else t
+                      for i, t in enumerate(problem.inputs)]  # fmt: skip
+            return _as_tuple(fn(*inputs))
+
+        return (lambda: fn(*problem.inputs)), checked
     inputs = [
         t.detach().clone().requires_grad_(i in problem.wrt)
         if isinstance(t, torch.Tensor)
