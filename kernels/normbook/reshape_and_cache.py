@@ -11,8 +11,9 @@ for the token at position ``p`` of request ``r``, block size ``s``: vLLM's
 ``slot_mapping``, and its ``reshape_and_cache`` writes ``key[t]`` to
 ``key_cache[slot_t // s, :, slot_t % s]`` (this package's heads-before-slots layout,
 the one :func:`normbook.decode_attention` reads). A slot of -1 is a token to skip
-(padding). One program per (token, k/v head) copies ``D`` contiguous values of the key
-and of the value: a copy, no arithmetic, so the cache holds the tokens' bits.
+(padding). One program per token and group of k/v heads copies their ``D`` contiguous
+values of the key and of the value (two heads of 128 at 16 bits: 128-bit accesses): a
+copy, no arithmetic, so the cache holds the tokens' bits.
 
 A Python loop of per-request scatters (what the serving chapter's miniature server did
 before it used this) launches two copies per request per layer; this is one launch per
@@ -47,22 +48,24 @@ def _append_kernel(
     svcb,
     svch,
     svcs,  # strides of the caches (blocks, heads, slots; last dim contiguous)
+    H,
     D,
     PAGE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
+    heads = (tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H))[:, None]
     slot = tl.load(Slots + t).to(tl.int64)
     if slot >= 0:  # -1: a padding token, nothing to write
         block = slot // PAGE
         pos = slot % PAGE
-        dims = tl.arange(0, BLOCK_D)
-        mask = dims < D
-        k = tl.load(K + t * skt + h * skh + dims, mask=mask)
-        v = tl.load(V + t * svt + h * svh + dims, mask=mask)
-        tl.store(KC + block * skcb + h * skch + pos * skcs + dims, k, mask=mask)
-        tl.store(VC + block * svcb + h * svch + pos * svcs + dims, v, mask=mask)
+        dims = tl.arange(0, BLOCK_D)[None, :]
+        mask = (heads < H) & (dims < D)
+        k = tl.load(K + t * skt + heads * skh + dims, mask=mask)
+        v = tl.load(V + t * svt + heads * svh + dims, mask=mask)
+        tl.store(KC + block * skcb + heads * skch + pos * skcs + dims, k, mask=mask)
+        tl.store(VC + block * svcb + heads * svch + pos * svcs + dims, v, mask=mask)
 
 
 def _check(key, value, key_cache, value_cache, slot_mapping):
@@ -185,8 +188,15 @@ def _forward(key, value, key_cache, value_cache, slot_mapping):
         return
     k = key if key.stride(-1) == 1 else key.contiguous()
     v = value if value.stride(-1) == 1 else value.contiguous()
+    # A program copies BLOCK_H heads of one token: at least 512 bytes (16 per thread
+    # of a warp), so that each thread moves 128 bits at a time. One head of 128 fp16
+    # values is 256 bytes, 64 bits per thread: two heads per program then.
+    block_d = triton.next_power_of_2(D)
+    head_bytes = block_d * key.element_size()
+    block_h = min(triton.next_power_of_2(H_kv), max(1, 512 // head_bytes))
+    warps = max(1, min(4, block_h * head_bytes // 512))
     with device_guard(key):
-        _append_kernel[(T, H_kv)](
+        _append_kernel[(T, triton.cdiv(H_kv, block_h))](
             k,
             v,
             key_cache,
@@ -198,10 +208,12 @@ def _forward(key, value, key_cache, value_cache, slot_mapping):
             v.stride(1),
             *key_cache.stride()[:3],
             *value_cache.stride()[:3],
+            H_kv,
             D,
             PAGE=key_cache.shape[2],
-            BLOCK_D=triton.next_power_of_2(D),
-            num_warps=1 if D <= 128 else 2,
+            BLOCK_H=block_h,
+            BLOCK_D=block_d,
+            num_warps=warps,
             **LAUNCH,
         )
 

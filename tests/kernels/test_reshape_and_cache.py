@@ -46,6 +46,20 @@ def test_writes_each_token_at_its_slot_and_nothing_else(dtype):
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
 
 
+@pytest.mark.parametrize(
+    "H_kv, D, dtype",
+    [(5, 64, torch.float16), (3, 128, torch.bfloat16), (3, 256, torch.float32)],
+)
+def test_head_groups_that_do_not_divide_the_heads(H_kv, D, dtype):
+    """A program copies a group of heads (four of 64 fp16 values, two of 128 bf16):
+    five and three heads leave a last group cut short by the mask, and D = 256 fp32 is
+    one head on two warps."""
+    key, value, kc, vc, slots = case(T=5, H_kv=H_kv, D=D, dtype=dtype, skip=1)
+    want_k, want_v = expected(key, value, kc, vc, slots)
+    reshape_and_cache(key, value, kc, vc, slots)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+
+
 def test_strided_inputs_and_caches_and_int32_slots():
     """Keys as a view of a (T, 2·H_kv, D) tensor (q, k packed), caches as a slice of a
     larger pool along the blocks, int32 slots."""
