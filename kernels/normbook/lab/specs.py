@@ -26,6 +26,7 @@ builders): ``tools/gpu_check.py`` reads the plan without importing the package.
 
 from __future__ import annotations
 
+from . import spec_decode as _cache  # reshape_and_cache's builders
 from .formulas import (  # noqa: F401  (re-exported: the benchmark imports them here)
     _liger_fused_add_rms_norm,
     _liger_layer_norm,
@@ -75,11 +76,6 @@ from .spec_decode import (  # noqa: F401  (DECODE_*: the benchmark reads them he
     _penalize_bytes,
     _penalize_formula,
     _penalize_inputs,
-    _reshape_and_cache_bytes,
-    _reshape_and_cache_formula,
-    _reshape_and_cache_inputs,
-    _reshape_and_cache_returning,
-    _reshape_and_cache_shapes,
     _sample_bytes,
     _sample_inputs,
 )
@@ -409,14 +405,14 @@ SPECS = (
     ),
     KernelSpec(
         "reshape_and_cache",
-        _reshape_and_cache_inputs,
+        _cache._reshape_and_cache_inputs,
         (),
         {},
-        _reshape_and_cache_formula,
+        _cache._reshape_and_cache_formula,
         "Liger has no KV-cache kernel",
-        _reshape_and_cache_bytes,
+        _cache._reshape_and_cache_bytes,
         {"forward": ""},
-        _reshape_and_cache_shapes,
+        _cache._reshape_and_cache_shapes,
         # a decode batch of Qwen3-8B, and a prefill chunk
         plan=Plan(((1, 32768), (64, 32768), (2048, 32768)), (0, 2), ((16, 256),)),
         inspect=("decode",),
@@ -424,7 +420,7 @@ SPECS = (
         inspect_s=6,
         # in place: the caches written, returned by a wrapper for the checks
         mutates=("key_cache", "value_cache"),
-        returning=_reshape_and_cache_returning,
+        returning=_cache._reshape_and_cache_returning,
     ),
     KernelSpec(
         "qk_norm_rope",
